@@ -1,0 +1,33 @@
+"""tapeflow: an eager, define-by-run autograd tape for JAX.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> t, x = tfl.leaf(tfl.Tape.empty(), jnp.array(2.0), requires_grad=True)
+>>> t, y = tfl.record(t, "mul", (x, x))
+>>> float(tfl.backward(t, y.value)[x])
+4.0
+"""
+
+from . import _ops_math  # noqa: F401  (registers ops)
+from ._registry import OpDef, REGISTRY, clear_kernel_caches, kernel_cache_info, ops
+from ._result import Err, Ok, Result, TapeError
+from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Err",
+    "Node",
+    "Ok",
+    "OpDef",
+    "REGISTRY",
+    "Result",
+    "Tape",
+    "TapeError",
+    "backward",
+    "clear_kernel_caches",
+    "keep_tape_on_error",
+    "kernel_cache_info",
+    "leaf",
+    "ops",
+    "record",
+]

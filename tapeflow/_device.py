@@ -1,0 +1,53 @@
+"""Device selection through JAX's device API (no silent fallbacks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["resolve_device", "default_device"]
+
+_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def resolve_device(device: Any) -> jax.Device:
+    """Turn ``"cpu"``, ``"gpu"``/``"cuda"``, ``"gpu:1"``, ``"tpu"`` or a ``jax.Device`` into a device.
+
+    An unknown name, or a platform JAX has no devices for, raises ``ValueError``
+    at once; there is no silent fallback to another platform.
+
+    >>> resolve_device("cpu").platform
+    'cpu'
+    """
+    if isinstance(device, jax.Device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu' or 'gpu', or a jax.Device; got {device!r}")
+    name, _, idx = device.lower().partition(":")
+    platform = _ALIASES.get(name)
+    if platform is None:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'gpu' (or 'cuda'), 'tpu', 'gpu:N' or a jax.Device")
+    try:
+        devs = jax.devices(platform)
+    except RuntimeError as e:
+        raise ValueError(
+            f"device {device!r} was requested but JAX has no {platform} backend here ({e}). "
+            f"Available devices: {', '.join(str(d) for d in jax.devices())}. "
+            "Install the matching jaxlib (e.g. pip install 'tapeflow[cuda12]') or pick another device."
+        ) from None
+    if not devs:
+        raise ValueError(f"device {device!r} was requested but JAX reports no {platform} devices")
+    i = 0
+    if idx:
+        if not idx.isdigit():
+            raise ValueError(f"bad device index in {device!r}; expected e.g. '{name}:0'")
+        i = int(idx)
+        if i >= len(devs):
+            raise ValueError(f"device {device!r} does not exist: JAX has {len(devs)} {platform} device(s)")
+    return devs[i]
+
+
+def default_device() -> jax.Device:
+    """JAX's default device (an accelerator when one is present)."""
+    return jax.devices()[0]

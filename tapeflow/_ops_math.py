@@ -1,0 +1,456 @@
+"""Elementwise, reduction and matrix ops of the registry.
+
+Each op is one block: the forward (decorated with :func:`~tapeflow._registry.op`),
+its VJP (``@<op>.defvjp``) and its check (``check=`` argument). Ops marked
+``exact=True`` also run on exact rational (object) arrays through NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._registry import REQUIRED, Spec, broadcast_shapes, fmt_spec, is_float, op, unbroadcast, xp_of
+
+# --------------------------------------------------------------------------- checks
+
+
+def _float_operands(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    for i, (_, dt) in enumerate(specs):
+        if not is_float(dt):
+            return (
+                f"operand #{i} has dtype {dt}, expected a floating dtype; "
+                "cast it first with tfl.astype(x, jnp.float32)"
+            )
+    return None
+
+
+def _same_dtype(specs: tuple[Spec, ...]) -> str | None:
+    dts = {dt for _, dt in specs}
+    if len(dts) > 1:
+        return (
+            f"operand dtypes differ ({', '.join(fmt_spec(s) for s in specs)}); "
+            "tapeflow does not promote implicitly: cast one operand with tfl.astype"
+        )
+    return None
+
+
+def _broadcast(specs: tuple[Spec, ...]) -> str | None:
+    if broadcast_shapes(*(s for s, _ in specs)) is None:
+        return f"shapes {' and '.join(str(s) for s, _ in specs)} do not broadcast together"
+    return None
+
+
+def binary_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    """Same dtype and broadcastable shapes."""
+    return _same_dtype(specs) or _broadcast(specs)
+
+
+def binary_float_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    return _float_operands(specs) or binary_check(specs)
+
+
+def _axes_check(specs: tuple[Spec, ...], axis: Any = None, **_: Any) -> str | None:
+    ndim = len(specs[0][0])
+    axes = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+    for a in axes:
+        if not isinstance(a, (int, np.integer)) or not -ndim <= a < max(ndim, 1):
+            return f"axis {a!r} is out of range for an operand of rank {ndim}"
+    norm = [a % max(ndim, 1) for a in axes]
+    if len(set(norm)) != len(norm):
+        return f"axis {axis!r} repeats an axis"
+    return None
+
+
+def _reduce_check(specs: tuple[Spec, ...], **attrs: Any) -> str | None:
+    return _axes_check(specs, **attrs)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+@op("add", arity=2, exact=True, check=binary_check)
+def add(x: Any, y: Any) -> Any:
+    """Elementwise ``x + y`` with broadcasting."""
+    return x + y
+
+
+@add.defvjp
+def _add_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    return unbroadcast(g, x.shape), unbroadcast(g, y.shape)
+
+
+@op("sub", arity=2, exact=True, check=binary_check)
+def sub(x: Any, y: Any) -> Any:
+    """Elementwise ``x - y`` with broadcasting."""
+    return x - y
+
+
+@sub.defvjp
+def _sub_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    return unbroadcast(g, x.shape), unbroadcast(-g, y.shape)
+
+
+@op("mul", arity=2, exact=True, check=binary_check)
+def mul(x: Any, y: Any) -> Any:
+    """Elementwise ``x * y`` with broadcasting."""
+    return x * y
+
+
+@mul.defvjp
+def _mul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    return unbroadcast(g * y, x.shape), unbroadcast(g * x, y.shape)
+
+
+@op("div", arity=2, exact=True, check=binary_float_check)
+def div(x: Any, y: Any) -> Any:
+    """Elementwise ``x / y`` with broadcasting (floating operands)."""
+    return x / y
+
+
+@div.defvjp
+def _div_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    gx = g / y
+    return unbroadcast(gx, x.shape), unbroadcast(-gx * out, y.shape)
+
+
+@op("neg", arity=1, exact=True)
+def neg(x: Any) -> Any:
+    """Elementwise ``-x``."""
+    return -x
+
+
+@neg.defvjp
+def _neg_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+    return (-g,)
+
+
+@op("pow", arity=2, check=binary_float_check)
+def pow(x: Any, y: Any) -> Any:  # noqa: A001 - the op is called pow
+    """Elementwise ``x ** y``; the gradient wrt ``y`` uses ``log(x)`` where ``x > 0``."""
+    return x**y
+
+
+@pow.defvjp
+def _pow_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    gx = g * y * jnp.where(y == 0, 1.0, x ** jnp.where(y == 0, 1.0, y - 1)).astype(x.dtype)
+    safe = jnp.where(x > 0, x, 1.0)
+    gy = g * jnp.where(x > 0, out * jnp.log(safe), 0.0).astype(out.dtype)
+    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+
+
+@op("maximum", arity=2, exact=True, check=binary_check)
+def maximum(x: Any, y: Any) -> Any:
+    """Elementwise maximum; ties send half the gradient to each side (as ``jax.grad``)."""
+    return xp_of(x).maximum(x, y)
+
+
+@maximum.defvjp
+def _maximum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    xp = xp_of(g)
+    half = g / 2
+    gx = xp.where(x > y, g, xp.where(x == y, half, 0 * g))
+    gy = xp.where(y > x, g, xp.where(x == y, half, 0 * g))
+    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+
+
+@op("minimum", arity=2, exact=True, check=binary_check)
+def minimum(x: Any, y: Any) -> Any:
+    """Elementwise minimum; ties send half the gradient to each side (as ``jax.grad``)."""
+    return xp_of(x).minimum(x, y)
+
+
+@minimum.defvjp
+def _minimum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    xp = xp_of(g)
+    half = g / 2
+    gx = xp.where(x < y, g, xp.where(x == y, half, 0 * g))
+    gy = xp.where(y < x, g, xp.where(x == y, half, 0 * g))
+    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+
+
+def _where_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    if specs[0][1] != np.dtype(bool):
+        return f"condition #0 must be boolean, got {specs[0][1]}; build it with a comparison such as x > 0"
+    return binary_check(specs[1:]) or _broadcast(specs)
+
+
+@op("where", arity=3, nondiff=(0,), exact=True, check=_where_check)
+def where(cond: Any, x: Any, y: Any) -> Any:
+    """``x`` where ``cond`` else ``y`` (``cond`` boolean, no gradient)."""
+    return xp_of(x).where(cond, x, y)
+
+
+@where.defvjp
+def _where_vjp(g: Any, out: Any, cond: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+    xp = xp_of(g)
+    z = 0 * g
+    return None, unbroadcast(xp.where(cond, g, z), x.shape), unbroadcast(xp.where(cond, z, g), y.shape)
+
+
+# --------------------------------------------------------------------------- unary math
+
+
+def _unary(name: str, fwd: Any, deriv: Any, doc: str) -> None:
+    """Register a float unary op whose VJP is ``g * deriv(x, out)``."""
+
+    def f(x: Any) -> Any:
+        return fwd(x)
+
+    f.__doc__ = doc
+    d = op(name, arity=1, check=_float_operands)(f)
+
+    def vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+        return ((g * deriv(x, out)).astype(g.dtype),)
+
+    d.defvjp(vjp)
+
+
+def _softplus_deriv(x: Any, out: Any) -> Any:
+    return jax.nn.sigmoid(x)
+
+
+_unary("exp", jnp.exp, lambda x, out: out, "Elementwise exponential.")
+_unary("log", jnp.log, lambda x, out: 1 / x, "Elementwise natural logarithm.")
+_unary("sqrt", jnp.sqrt, lambda x, out: 0.5 / out, "Elementwise square root.")
+_unary("sin", jnp.sin, lambda x, out: jnp.cos(x), "Elementwise sine.")
+_unary("cos", jnp.cos, lambda x, out: -jnp.sin(x), "Elementwise cosine.")
+_unary("tanh", jnp.tanh, lambda x, out: 1 - out * out, "Elementwise hyperbolic tangent.")
+_unary("sigmoid", jax.nn.sigmoid, lambda x, out: out * (1 - out), "Elementwise logistic sigmoid.")
+_unary("softplus", jax.nn.softplus, _softplus_deriv, "Elementwise ``log(1 + exp(x))``.")
+_unary("abs", jnp.abs, lambda x, out: jnp.sign(x), "Elementwise absolute value (gradient sign(x), 0 at 0).")
+
+
+def _gelu_deriv(x: Any, out: Any) -> Any:
+    # exact (erf) GELU: x * Phi(x)
+    phi = jnp.exp(-0.5 * x * x) / jnp.sqrt(2 * jnp.pi).astype(x.dtype)
+    cdf = 0.5 * (1 + jax.lax.erf(x / jnp.sqrt(2.0).astype(x.dtype)))
+    return cdf + x * phi
+
+
+_unary("gelu", lambda x: jax.nn.gelu(x, approximate=False), _gelu_deriv, "Elementwise GELU (exact erf form).")
+
+
+@op("relu", arity=1, exact=True, check=_float_operands)
+def relu(x: Any) -> Any:
+    """Elementwise ``max(x, 0)``; the gradient at 0 is 0."""
+    xp = xp_of(x)
+    return xp.where(x > 0, x, 0 * x)
+
+
+@relu.defvjp
+def _relu_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+    xp = xp_of(g)
+    return (xp.where(x > 0, g, 0 * g),)
+
+
+def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str | None:
+    if err := _float_operands(specs):
+        return err
+    for name, v in (("lo", lo), ("hi", hi)):
+        if v is not None and not isinstance(v, (int, float)):
+            return f"attribute {name} must be a number or None, got {v!r}"
+    if lo is not None and hi is not None and lo > hi:
+        return f"lo={lo} is greater than hi={hi}"
+    return None
+
+
+@op("clamp", arity=1, attrs={"lo": None, "hi": None}, check=_clamp_check)
+def clamp(x: Any, lo: float | None, hi: float | None) -> Any:
+    """Clip ``x`` to ``[lo, hi]`` (either bound may be None); gradient passes inside the range."""
+    return jnp.clip(x, lo, hi)
+
+
+@clamp.defvjp
+def _clamp_vjp(g: Any, out: Any, x: Any, lo: Any, hi: Any) -> tuple[Any]:
+    inside = jnp.ones(x.shape, bool)
+    if lo is not None:
+        inside = inside & (x >= lo)
+    if hi is not None:
+        inside = inside & (x <= hi)
+    return (jnp.where(inside, g, 0.0).astype(g.dtype),)
+
+
+@op("stop_gradient", arity=1, exact=True)
+def stop_gradient(x: Any) -> Any:
+    """Identity whose output never carries a gradient to ``x``."""
+    return x
+
+
+@stop_gradient.defvjp
+def _stop_gradient_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+    return (0 * g,)
+
+
+def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return f"attribute dtype={dtype!r} is not a dtype"
+    return None
+
+
+@op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check)
+def astype(x: Any, dtype: Any) -> Any:
+    """Cast to ``dtype``; the gradient is cast back (none flows into integer inputs)."""
+    return x.astype(dtype)
+
+
+@astype.defvjp
+def _astype_vjp(g: Any, out: Any, x: Any, dtype: Any) -> tuple[Any]:
+    return (g.astype(x.dtype),)
+
+
+def _cmp(name: str, fn: Any) -> None:
+    def f(x: Any, y: Any) -> Any:
+        return fn(x, y)
+
+    f.__doc__ = f"Elementwise comparison ``{name}`` (boolean result, no gradient)."
+    op(name, arity=2, exact=True, check=binary_check)(f)
+
+
+_cmp("lt", lambda x, y: x < y)
+_cmp("le", lambda x, y: x <= y)
+_cmp("gt", lambda x, y: x > y)
+_cmp("ge", lambda x, y: x >= y)
+_cmp("eq", lambda x, y: x == y)
+_cmp("ne", lambda x, y: x != y)
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    return tuple(sorted(a % ndim for a in axes))
+
+
+def _expand(g: Any, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Any:
+    """Reshape a reduced cotangent so it broadcasts against the input of ``shape``."""
+    if keepdims:
+        return g
+    axes = _axes(axis, len(shape))
+    kshape = tuple(1 if i in axes else s for i, s in enumerate(shape))
+    return xp_of(g).reshape(g, kshape)
+
+
+@op("sum", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
+def sum_(x: Any, axis: Any, keepdims: bool) -> Any:
+    """Sum over ``axis`` (an int, a tuple, or None for all)."""
+    return xp_of(x).sum(x, axis=axis, keepdims=keepdims)
+
+
+@sum_.defvjp
+def _sum_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+    xp = xp_of(g)
+    return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape),)
+
+
+@op("mean", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
+def mean(x: Any, axis: Any, keepdims: bool) -> Any:
+    """Mean over ``axis`` (an int, a tuple, or None for all)."""
+    xp = xp_of(x)
+    if xp is np:
+        count = int(np.prod([x.shape[a] for a in _axes(axis, x.ndim)], dtype=np.int64))
+        return np.sum(x, axis=axis, keepdims=keepdims) / count
+    return jnp.mean(x, axis=axis, keepdims=keepdims)
+
+
+@mean.defvjp
+def _mean_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+    xp = xp_of(g)
+    count = int(np.prod([x.shape[a] for a in _axes(axis, x.ndim)], dtype=np.int64))
+    return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape) / count,)
+
+
+@op("max", arity=1, attrs={"axis": None, "keepdims": False}, check=_reduce_check)
+def max_(x: Any, axis: Any, keepdims: bool) -> Any:
+    """Maximum over ``axis``; ties share the gradient equally (as ``jax.grad``)."""
+    return jnp.max(x, axis=axis, keepdims=keepdims)
+
+
+@max_.defvjp
+def _max_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+    o = _expand(out, x.shape, axis, keepdims)
+    gg = _expand(g, x.shape, axis, keepdims)
+    hit = (x == o).astype(g.dtype)
+    count = jnp.sum(hit, axis=_axes(axis, x.ndim), keepdims=True)
+    return (hit * gg / count,)
+
+
+# --------------------------------------------------------------------------- matrix products
+
+
+def _matmul_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    (a, _), (b, _) = specs
+    if err := _same_dtype(specs):
+        return err
+    if len(a) == 0 or len(b) == 0:
+        return "matmul needs operands of rank >= 1, got a scalar"
+    k1 = a[-1]
+    k2 = b[-2] if len(b) >= 2 else b[0]
+    if k1 != k2:
+        return f"contracting dimensions differ: {a} @ {b} contracts {k1} with {k2}"
+    if len(a) > 2 or len(b) > 2:
+        if broadcast_shapes(a[:-2] if len(a) >= 2 else (), b[:-2] if len(b) >= 2 else ()) is None:
+            return f"batch dimensions of {a} and {b} do not broadcast"
+    return None
+
+
+@op("matmul", arity=2, exact=True, check=_matmul_check)
+def matmul(x: Any, y: Any) -> Any:
+    """Matrix product with NumPy semantics (batching and broadcasting of leading dims)."""
+    return x @ y
+
+
+@matmul.defvjp
+def _matmul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    xp = xp_of(g)
+    x2 = x if x.ndim > 1 else x[None, :]
+    y2 = y if y.ndim > 1 else y[:, None]
+    g2 = g
+    if x.ndim == 1:
+        g2 = xp.expand_dims(g2, -2)
+    if y.ndim == 1:
+        g2 = xp.expand_dims(g2, -1)
+    gx = g2 @ xp.swapaxes(y2, -1, -2)
+    gy = xp.swapaxes(x2, -1, -2) @ g2
+    if x.ndim == 1:
+        gx = xp.reshape(unbroadcast(gx, (1,) + tuple(x.shape)), x.shape) if gx.ndim > 2 else gx[..., 0, :]
+    if y.ndim == 1:
+        gy = xp.reshape(unbroadcast(gy, tuple(y.shape) + (1,)), y.shape) if gy.ndim > 2 else gy[..., :, 0]
+    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+
+
+def _linear_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+    if err := _float_operands(specs) or _same_dtype(specs):
+        return err
+    x, w = specs[0][0], specs[1][0]
+    if len(x) < 1 or len(w) != 2:
+        return f"linear expects x of rank >= 1 and w of shape (in, out); got x{x}, w{w}"
+    if x[-1] != w[0]:
+        return f"x has {x[-1]} features but w expects {w[0]} (w shape (in, out) = {w})"
+    if len(specs) == 3 and specs[2][0] not in ((w[1],), ()):
+        return f"bias must have shape ({w[1]},), got {specs[2][0]}"
+    return None
+
+
+@op("linear", arity=(2, 3), check=_linear_check)
+def linear(x: Any, w: Any, b: Any = None) -> Any:
+    """``x @ w + b`` with ``w`` of shape ``(in, out)`` and an optional bias ``b`` of shape ``(out,)``."""
+    y = x @ w
+    return y if b is None else y + b
+
+
+@linear.defvjp
+def _linear_vjp(g: Any, out: Any, x: Any, w: Any, b: Any = None) -> tuple[Any, ...]:
+    gx = g @ w.T
+    gw = jnp.reshape(x, (-1, x.shape[-1])).T @ jnp.reshape(g, (-1, g.shape[-1]))
+    if b is None:
+        return gx, gw
+    return gx, gw, unbroadcast(g, b.shape)

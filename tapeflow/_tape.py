@@ -1,0 +1,439 @@
+"""The immutable tape: a persistent, jit-compatible pytree of recorded nodes.
+
+A :class:`Tape` value never changes. :func:`leaf` and :func:`record` return a new
+tape that shares every earlier node with the old one. Appending is amortized
+O(1): consecutive tapes share one growing node buffer, and the first append to
+an *older* tape (a fork) copies the node references up to its length into a
+fresh buffer, so both continuations stay valid.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> t0 = tfl.Tape.empty()
+>>> t1, x = tfl.leaf(t0, jnp.array([1.0, 2.0]), requires_grad=True)
+>>> t2, r = tfl.record(t1, "mul", (x, x))
+>>> len(t0), len(t1), len(t2)
+(0, 1, 2)
+>>> t3, bad = tfl.record(t2, "matmul", (x, x, x))
+>>> t3 is t2, bad.is_ok
+(True, False)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _registry as R
+from ._device import resolve_device
+from ._result import Err, Ok, TapeError
+
+__all__ = ["Node", "Tape", "leaf", "record", "keep_tape_on_error", "backward"]
+
+
+class Node:
+    """One recorded value: a leaf (``op is None``) or the output of an op.
+
+    ``op``, ``attrs``, ``parents``, ``requires_grad``, ``shape`` and ``dtype`` are
+    static (they are part of the tape's pytree structure); ``value`` is the array.
+    """
+
+    __slots__ = ("op", "attrs", "parents", "value", "requires_grad", "shape", "dtype", "meta")
+
+    def __init__(
+        self,
+        op: str | None,
+        attrs: tuple[tuple[str, Any], ...],
+        parents: tuple[int, ...],
+        value: Any,
+        requires_grad: bool,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+    ) -> None:
+        self.op = op
+        self.attrs = attrs
+        self.parents = parents
+        self.value = value
+        self.requires_grad = requires_grad
+        self.shape = shape
+        self.dtype = dtype
+        self.meta = (op, attrs, parents, requires_grad, shape, dtype)
+
+    @property
+    def spec(self) -> R.Spec:
+        return (self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        what = "leaf" if self.op is None else f"{self.op}{self.parents}"
+        return f"Node({what}, {R.fmt_spec(self.spec)}, requires_grad={self.requires_grad})"
+
+
+class _Buffer:
+    """A node list shared by consecutive tape values; forks copy references."""
+
+    __slots__ = ("nodes", "lock")
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+        self.lock = threading.Lock()
+
+
+class Tape:
+    """An immutable sequence of recorded nodes; a JAX pytree whose leaves are node values.
+
+    Build one with :meth:`Tape.empty`, then thread it through :func:`leaf` and
+    :func:`record`. ``len(tape)`` is the node count, ``tape[i]`` the i-th
+    :class:`Node`. A tape can be passed into and returned from ``jax.jit``.
+    """
+
+    __slots__ = ("_buf", "_n", "device", "__weakref__")
+
+    _buf: _Buffer
+    _n: int
+    device: jax.Device | None
+
+    def __init__(self) -> None:
+        raise TypeError("use Tape.empty(device=None) to create a tape")
+
+    @classmethod
+    def _make(cls, buf: _Buffer, n: int, device: jax.Device | None) -> Tape:
+        t = object.__new__(cls)
+        t._buf = buf
+        t._n = n
+        t.device = device
+        return t
+
+    @classmethod
+    def empty(cls, device: Any = None) -> Tape:
+        """A tape with no nodes whose leaves are placed on ``device`` (default: JAX's default).
+
+        ``device`` is ``None``, ``"cpu"``, ``"gpu"``/``"cuda"`` or a ``jax.Device``.
+
+        >>> Tape.empty().device is None
+        True
+        """
+        return cls._make(_Buffer([]), 0, None if device is None else resolve_device(device))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> Node:
+        if not isinstance(i, (int, np.integer)) or not 0 <= i < self._n:
+            raise IndexError(f"node id {i!r} is out of range for a tape of {self._n} node(s)")
+        return self._buf.nodes[i]
+
+    def __iter__(self) -> Iterator[Node]:
+        nodes = self._buf.nodes
+        return (nodes[i] for i in range(self._n))
+
+    def value(self, i: int) -> Any:
+        """The forward value of node ``i``."""
+        return self[i].value
+
+    def _append(self, node: Node) -> Tape:
+        buf = self._buf
+        n = self._n
+        with buf.lock:
+            if len(buf.nodes) == n:
+                buf.nodes.append(node)
+            else:  # someone already continued this tape: fork
+                buf = _Buffer(buf.nodes[:n] + [node])
+        return Tape._make(buf, n + 1, self.device)
+
+    def __repr__(self) -> str:
+        dev = "" if self.device is None else f", device={self.device}"
+        return f"Tape(len={self._n}{dev})"
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text for the tape (render with ``dot -Tsvg``).
+
+        >>> import jax.numpy as jnp
+        >>> t, x = leaf(Tape.empty(), jnp.ones(2), requires_grad=True)
+        >>> t, r = record(t, "exp", (x,))
+        >>> print(t.to_dot().splitlines()[0])
+        digraph tape {
+        """
+        lines = ["digraph tape {", "  rankdir=LR;", '  node [shape=box, fontname="monospace"];']
+        for i, nd in enumerate(self):
+            label = ("leaf" if nd.op is None else nd.op) + f"\\n{R.fmt_spec(nd.spec)}"
+            style = ', style=filled, fillcolor="#e8f0fe"' if nd.requires_grad else ""
+            lines.append(f'  n{i} [label="#{i} {label}"{style}];')
+            for p in nd.parents:
+                lines.append(f"  n{p} -> n{i};")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def _flatten(t: Tape) -> tuple[list[Any], tuple[Any, ...]]:
+    nodes = t._buf.nodes
+    n = t._n
+    return [nodes[i].value for i in range(n)], (t.device, tuple(nodes[i].meta for i in range(n)))
+
+
+def _unflatten(aux: tuple[Any, ...], values: Iterable[Any]) -> Tape:
+    device, metas = aux
+    out: list[Node] = []
+    for (op, attrs, parents, rg, shape, dtype), v in zip(metas, values):
+        out.append(Node(op, attrs, parents, v, rg, shape, dtype))
+    return Tape._make(_Buffer(out), len(out), device)
+
+
+jax.tree_util.register_pytree_node(Tape, _flatten, _unflatten)
+
+
+# --------------------------------------------------------------------------- recording
+
+
+def _as_value(value: Any, device: jax.Device | None) -> Any:
+    if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
+        return value
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if device is not None:
+        if isinstance(value, jax.Array) and value.committed and value.devices() == {device}:
+            return value
+        return jax.device_put(value, device)
+    if isinstance(value, jax.Array):
+        return value
+    return jnp.asarray(value)
+
+
+def leaf(tape: Tape, value: Any, requires_grad: bool = False) -> tuple[Tape, int]:
+    """Append a leaf holding ``value``; returns ``(new_tape, node_id)``. Cannot fail.
+
+    Integer and boolean leaves never require grad, whatever ``requires_grad`` says.
+
+    >>> import jax.numpy as jnp
+    >>> t, i = leaf(Tape.empty(), jnp.zeros(3), requires_grad=True)
+    >>> i, t[i].requires_grad
+    (0, True)
+    """
+    v = _as_value(value, tape.device)
+    dtype = np.dtype(v.dtype)
+    node = Node(None, (), (), v, bool(requires_grad) and R.is_float(dtype), tuple(v.shape), dtype)
+    return tape._append(node), tape._n
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, slice):
+        return ("slice", v.start, v.stop, v.step)
+    return v
+
+
+def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Tape, Ok[int] | Err]:
+    """Apply registered op ``op`` to the nodes ``inputs``; returns ``(tape, Ok(id) | Err(msg))``.
+
+    On success the tape is a new tape with one more node. On any failure
+    (unknown op, wrong arity, bad node id, shape/dtype mismatch, bad attribute,
+    failure of the kernel itself) the tape returned **is** ``tape`` and nothing
+    was appended; this function never raises for bad input.
+
+    >>> import jax.numpy as jnp
+    >>> t, a = leaf(Tape.empty(), jnp.ones((2, 3)))
+    >>> t, b = leaf(t, jnp.ones((4,)))
+    >>> t2, r = record(t, "add", (a, b))
+    >>> t2 is t, r.error.split(":")[0]
+    (True, 'add')
+    """
+    d = R.REGISTRY.get(op) if isinstance(op, str) else None
+    if d is None:
+        return tape, Err(f"unknown op {op!r}; registered ops: {', '.join(R.ops())}")
+    nodes = tape._buf.nodes
+    n = tape._n
+    try:
+        ids = tuple(inputs)
+    except TypeError:
+        return tape, Err(f"{op}: inputs must be a sequence of node ids, got {type(inputs).__name__}")
+    for i in ids:
+        if type(i) is not int or not 0 <= i < n:
+            if isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= int(i) < n:
+                continue
+            return tape, Err(
+                f"{op}: operand {i!r} is not a node id of this tape (valid ids are 0..{n - 1})"
+                if n
+                else f"{op}: operand {i!r} is not a node id: the tape is empty"
+            )
+    ids = tuple(int(i) for i in ids)
+    ins = [nodes[i] for i in ids]
+    specs = tuple([(nd.shape, nd.dtype) for nd in ins])
+    if attrs:
+        akey: tuple[tuple[str, Any], ...] = tuple(sorted(attrs.items()))
+        try:
+            hash(akey)
+        except TypeError:
+            akey = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
+            try:
+                hash(akey)
+            except TypeError as e:
+                return tape, Err(f"{op}: attribute values must be hashable constants ({e})")
+    else:
+        akey = ()
+    entry = R.get_fwd(op, akey, specs)
+    if type(entry) is str:
+        return tape, Err(f"{op}: {entry} (operands: {R.describe(specs)})")
+    assert isinstance(entry, R.FwdEntry)
+    try:
+        out = entry.fn(*[nd.value for nd in ins])
+    except Exception as e:  # a kernel failure (device, numerics of exact arrays, ...)
+        return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
+    rg = entry.differentiable and any(ins[i].requires_grad for i in entry.diff)
+    if entry.dtype is R.OBJECT:
+        shape, dtype = tuple(np.shape(out)), R.OBJECT
+        if not isinstance(out, np.ndarray):
+            out = np.asarray(out, dtype=object)
+    else:
+        shape, dtype = entry.shape, entry.dtype
+    new = tape._append(Node(op, entry.attrs, ids, out, rg, shape, dtype))
+    return new, Ok(n)
+
+
+def keep_tape_on_error(t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | Err | Exception) -> tuple[Tape, Ok[Any] | Err]:
+    """Pair a constructor's result with the tape to keep afterwards.
+
+    On success that is the extended tape; on failure it is ``t0``, the tape the
+    constructor started from, so a failed step never leaves a half-built tape::
+
+        t, r = keep_tape_on_error(t0, record(t0, "relu", (x,)))
+
+    ``result`` may be ``(tape, Ok | Err)``, a bare ``Err``, or an exception
+    (caught by the caller), which becomes an ``Err``.
+
+    >>> t0 = Tape.empty()
+    >>> t, r = keep_tape_on_error(t0, Err("boom"))
+    >>> t is t0, r
+    (True, Err('boom'))
+    """
+    if isinstance(result, BaseException):
+        return t0, Err(f"{type(result).__name__}: {result}")
+    if isinstance(result, (Ok, Err)):
+        return t0, result
+    t, r = result
+    if r.is_ok:
+        return t, r
+    return t0, r
+
+
+# --------------------------------------------------------------------------- backward
+
+_add = jax.jit(jnp.add)
+
+
+def _accum(a: Any, b: Any) -> Any:
+    if isinstance(a, np.ndarray) and a.dtype == R.OBJECT:
+        return a + b
+    return _add(a, b)
+
+
+def _zeros(nd: Node) -> Any:
+    if nd.dtype == R.OBJECT:
+        from fractions import Fraction
+
+        z = np.empty(nd.shape, dtype=object)
+        z[...] = Fraction(0)
+        return z
+    return jnp.zeros(nd.shape, nd.dtype)
+
+
+def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None = None) -> dict[int, Any]:
+    """Reverse-mode sweep from node ``root``; returns ``{node_id: cotangent}``.
+
+    * ``seed`` defaults to 1 for a scalar root; a non-scalar root needs one.
+    * By default the result holds every leaf that requires grad and is reached
+      from ``root``. ``wrt`` selects node ids instead (leaves or interior nodes);
+      a requested node that is not reached gets zeros of its shape.
+    * Cotangents of a node with several consumers are summed; the cotangent of
+      an interior node is dropped as soon as the sweep has passed it.
+    * Pure: works on a tape whose values are tracers inside ``jax.jit``.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.array(3.0), requires_grad=True)
+    >>> t, y = record(t, "mul", (x, x))
+    >>> float(backward(t, y.value)[x])
+    6.0
+    """
+    n = tape._n
+    if type(root) is not int:
+        if isinstance(root, Ok):
+            root = root.value
+        elif isinstance(root, (int, np.integer)) and not isinstance(root, bool):
+            root = int(root)
+        else:
+            raise TapeError(f"backward: root must be a node id (int), got {root!r}")
+    if not 0 <= root < n:
+        raise TapeError(f"backward: root {root} is out of range for a tape of {n} node(s)")
+    nodes = tape._buf.nodes
+    rnode = nodes[root]
+    if seed is None:
+        if rnode.shape != ():
+            raise TapeError(
+                f"backward: root #{root} has shape {rnode.shape}; a non-scalar root needs an explicit "
+                "seed (a cotangent of the same shape), e.g. backward(tape, root, seed=jnp.ones(shape))"
+            )
+        if rnode.dtype == R.OBJECT:
+            from fractions import Fraction
+
+            seed = np.asarray(Fraction(1), dtype=object)
+        else:
+            seed = jnp.ones((), rnode.dtype)
+    else:
+        if tuple(np.shape(seed)) != rnode.shape:
+            raise TapeError(
+                f"backward: seed has shape {tuple(np.shape(seed))} but root #{root} has shape {rnode.shape}"
+            )
+        if not (isinstance(seed, np.ndarray) and seed.dtype == R.OBJECT):
+            seed = jnp.asarray(seed, rnode.dtype)
+    want: set[int] | None = None
+    if wrt is not None:
+        want = set()
+        for w in wrt:
+            if not isinstance(w, (int, np.integer)) or not 0 <= int(w) < n:
+                raise TapeError(f"backward: wrt id {w!r} is out of range for a tape of {n} node(s)")
+            want.add(int(w))
+    result: dict[int, Any] = {}
+    cot: dict[int, Any] = {root: seed} if rnode.requires_grad or (want and root in want) else {}
+    for i in range(root, -1, -1):
+        if not cot:
+            break
+        g = cot.pop(i, None)
+        if g is None:
+            continue
+        nd = nodes[i]
+        if want is None:
+            if nd.op is None:
+                if nd.requires_grad:
+                    result[i] = g
+                continue
+        elif i in want:
+            result[i] = g
+        if nd.op is None or not nd.requires_grad:
+            continue
+        parents = nd.parents
+        mask = tuple(nodes[p].requires_grad for p in parents)
+        if not any(mask):
+            continue
+        d = R.REGISTRY[nd.op]
+        if d.nondiff:
+            mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
+        specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
+        fn = R.get_vjp(nd.op, nd.attrs, specs, mask)
+        cts = fn(g, nd.value, *[nodes[p].value for p in parents])
+        k = 0
+        for p, m in zip(parents, mask):
+            if not m:
+                continue
+            ct = cts[k]
+            k += 1
+            prev = cot.get(p)
+            cot[p] = ct if prev is None else _accum(prev, ct)
+    if want is not None:
+        for w in want:
+            if w not in result:
+                result[w] = _zeros(nodes[w])
+    return result
