@@ -11,11 +11,34 @@ from . import _ops_math  # noqa: F401  (registers ops)
 from ._registry import OpDef, REGISTRY, clear_kernel_caches, kernel_cache_info, ops
 from ._result import Err, Ok, Result, TapeError
 from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
+from ._params import Param, Storage, canonical_indices, tie
+from ._session import (
+    Grads,
+    ParameterGroup,
+    RationalFallbackWarning,
+    Session,
+    Tensor,
+    apply,
+    current_session,
+)
+from ._functions import *  # noqa: F403
+from ._functions import __all__ as _fn_all
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = _fn_all + [
     "Err",
+    "Grads",
+    "Param",
+    "ParameterGroup",
+    "RationalFallbackWarning",
+    "Session",
+    "Storage",
+    "Tensor",
+    "apply",
+    "canonical_indices",
+    "current_session",
+    "tie",
     "Node",
     "Ok",
     "OpDef",

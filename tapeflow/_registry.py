@@ -149,7 +149,7 @@ class FwdEntry:
     differentiable: bool  # output dtype can carry a gradient
 
 
-_FWD_CACHE: dict[Any, FwdEntry | str] = {}
+_FWD_CACHE: dict[Any, FwdEntry] = {}
 _VJP_CACHE: dict[Any, Callable[..., Any]] = {}
 _JIT_FWD: dict[Any, Callable[..., Any]] = {}
 
@@ -216,27 +216,28 @@ def build_fwd(d: OpDef, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, .
             )
         fn = functools.partial(d.fwd, **full)
         return FwdEntry(fn, (), OBJECT, full_t, diff, True)
+    fwd = functools.partial(d.fwd, **full)
     try:
-        fn = _JIT_FWD.get((d.name, full_t))
-        if fn is None:
-            fn = jax.jit(functools.partial(d.fwd, **full))
-            _JIT_FWD[(d.name, full_t)] = fn
-        out = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(s, t) for s, t in specs))
+        out = jax.eval_shape(fwd, *(jax.ShapeDtypeStruct(s, t) for s, t in specs))
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"operands rejected by the forward ({type(e).__name__}: {first})"
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
+    fn = _JIT_FWD.get((d.name, full_t))
+    if fn is None:
+        fn = _JIT_FWD[(d.name, full_t)] = jax.jit(fwd)
     return FwdEntry(fn, tuple(out.shape), np.dtype(out.dtype), full_t, diff, is_float(out.dtype))
 
 
 def get_fwd(name: str, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, ...]) -> FwdEntry | str:
-    """Cached :func:`build_fwd`; errors are cached too (they depend only on the key)."""
+    """Cached :func:`build_fwd`. Errors are not cached: a rejected call leaves the caches as they were."""
     key = (name, attrs, specs)
     e = _FWD_CACHE.get(key)
     if e is None:
         e = build_fwd(REGISTRY[name], attrs, specs)
-        _FWD_CACHE[key] = e
+        if type(e) is not str:
+            _FWD_CACHE[key] = e
     return e
 
 

@@ -1,0 +1,239 @@
+"""Parameters and their storage identity.
+
+A :class:`Param` is a small public record (name, trainable flag) pointing at a
+:class:`Storage`: the mutable cells that hold the parameter's value. Two
+records alias exactly when they point at the *same* storage object;
+:func:`tie` is the only way to make that happen. Equal values or equal names
+never make two parameters aliases.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.zeros((3, 2)), name="w")
+>>> w_out = tfl.tie(w, name="w_out")
+>>> other = tfl.Param(jnp.zeros((3, 2)), name="w")
+>>> tfl.canonical_indices([w.storage, None, w_out.storage, other.storage])
+[0, None, 0, 3]
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _registry as R
+
+__all__ = ["Storage", "Param", "tie", "canonical_indices"]
+
+_storage_ids = itertools.count()
+_storage_lock = threading.Lock()
+
+
+def _as_array(value: Any) -> Any:
+    if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
+        return value.copy()
+    if isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return value
+    return jnp.asarray(value)
+
+
+class Storage:
+    """The mutable cells of one parameter: host value, device mirror, host-current flag.
+
+    Identity is the storage object itself; nothing here reads or compares
+    tensor elements. ``shape`` and ``dtype`` are fixed at creation.
+
+    * ``value`` (host cell): the value as last written on the host.
+    * ``mirror`` (device cell): the same value on a session's device, reused by
+      every later use on that device instead of uploading again.
+    * ``host_current``: False when an update wrote the mirror and the host cell
+      is stale; reading :attr:`Param.value` synchronizes it first.
+    """
+
+    __slots__ = ("shape", "dtype", "_host", "_mirror", "_host_current", "uid", "__weakref__")
+
+    def __init__(self, value: Any) -> None:
+        v = _as_array(value)
+        self.shape: tuple[int, ...] = tuple(v.shape)
+        self.dtype: np.dtype = np.dtype(v.dtype)
+        self._host: Any = v
+        self._mirror: Any = None
+        self._host_current = True
+        with _storage_lock:
+            self.uid = next(_storage_ids)
+
+    # -- cells -----------------------------------------------------------------
+    @property
+    def host_current(self) -> bool:
+        return self._host_current
+
+    @property
+    def mirror(self) -> Any:
+        """The device mirror (a ``jax.Array``) or None when no device copy is cached."""
+        return self._mirror
+
+    def read_host(self) -> Any:
+        """The current value on the host, synchronizing a newer device mirror first."""
+        if not self._host_current:
+            host_dev = _device_of(self._host)
+            self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
+            self._host_current = True
+        return self._host
+
+    def read(self, device: jax.Device | None) -> Any:
+        """The current value placed on ``device`` (None: wherever the current value lives).
+
+        The mirror is reused when it is on ``device``; otherwise the current value
+        is uploaded once and cached as the new mirror.
+        """
+        m = self._mirror
+        if not self._host_current:
+            if device is None or _device_of(m) in (None, device):
+                return m
+        h = self._host
+        if device is None or self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
+            return h if self._host_current else self.read_host()
+        if m is not None and _device_of(m) == device:
+            return m
+        if self._host_current and _device_of(h) == device:
+            return h
+        m = jax.device_put(self.read_host(), device)
+        self._mirror = m
+        return m
+
+    def write(self, value: Any, *, on_device: bool = False) -> None:
+        """Replace the value. ``on_device=True`` writes the mirror and marks the host stale."""
+        v = _as_array(value)
+        if tuple(v.shape) != self.shape or np.dtype(v.dtype) != self.dtype:
+            raise ValueError(
+                f"cannot write a {R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))} value into a parameter "
+                f"storage of {R.fmt_spec((self.shape, self.dtype))}; a parameter keeps its shape and dtype "
+                "(create a new Param to change them)"
+            )
+        if on_device and _device_of(v) != _device_of(self._host):
+            self._mirror = v
+            self._host_current = False
+        else:
+            self._host = v
+            self._mirror = None
+            self._host_current = True
+
+    def __repr__(self) -> str:
+        return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
+
+
+def _device_of(x: Any) -> jax.Device | None:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            devs = x.devices()
+        except Exception:
+            return None
+        if len(devs) == 1:
+            return next(iter(devs))
+    return None
+
+
+class Param:
+    """A trainable (or frozen) parameter: a named record pointing at a :class:`Storage`.
+
+    Every use of a ``Param`` in a session op records a new leaf holding the value
+    observed at that moment; assigning ``p.value`` later never changes what
+    was recorded.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones((2, 2)), name="w")
+    >>> w.shape, w.name, w.trainable
+    ((2, 2), 'w', True)
+    """
+
+    __slots__ = ("storage", "name", "trainable", "__weakref__")
+    __array_priority__ = 1000
+
+    def __init__(self, value: Any, name: str | None = None, trainable: bool = True) -> None:
+        self.storage = Storage(value)
+        self.name = name
+        self.trainable = bool(trainable)
+
+    @classmethod
+    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool) -> Param:
+        p = object.__new__(cls)
+        p.storage = storage
+        p.name = name
+        p.trainable = trainable
+        return p
+
+    @property
+    def value(self) -> Any:
+        """The current value (a ``jax.Array``), synchronized from a newer device mirror."""
+        return self.storage.read_host()
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        self.storage.write(new)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.storage.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.storage.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.storage.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.value, dtype=dtype)
+
+    def __repr__(self) -> str:
+        frozen = "" if self.trainable else ", frozen"
+        return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
+
+
+def tie(p: Param, name: str | None = None, trainable: bool | None = None) -> Param:
+    """A new parameter record that shares ``p``'s storage (weight tying).
+
+    >>> import jax.numpy as jnp
+    >>> w = Param(jnp.ones(3), name="emb")
+    >>> tie(w, name="out").storage is w.storage
+    True
+    """
+    if not isinstance(p, Param):
+        raise TypeError(f"tie expects a Param, got {type(p).__name__}")
+    return Param._from_storage(p.storage, p.name if name is None else name, p.trainable if trainable is None else trainable)
+
+
+def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | None]:
+    """For each slot, the index of the first slot holding the same storage (None stays None).
+
+    Identity decides: two slots agree only when they hold the very same
+    :class:`Storage` object (a :class:`Param` stands for its storage). Runs in
+    expected O(n) time through a hash table keyed by object identity; the list
+    keeps every storage alive during the call, so identities cannot be reused,
+    and nothing is cached between calls.
+
+    >>> import jax.numpy as jnp
+    >>> p, q = Param(jnp.ones(2)), Param(jnp.ones(2))
+    >>> canonical_indices([p, q, p, None])
+    [0, 1, 0, None]
+    """
+    first: dict[int, int] = {}
+    out: list[int | None] = []
+    setdefault = first.setdefault
+    append = out.append
+    for i, s in enumerate(storages):
+        if s is None:
+            append(None)
+            continue
+        if type(s) is not Storage:
+            if isinstance(s, Param):
+                s = s.storage
+            elif not isinstance(s, Storage):
+                raise TypeError(f"canonical_indices: slot {i} holds {type(s).__name__}, expected a Storage, Param or None")
+        append(setdefault(id(s), i))
+    return out
