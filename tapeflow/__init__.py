@@ -8,9 +8,11 @@
 """
 
 from . import _ops_math  # noqa: F401  (registers ops)
+from . import _ops_shape, _ops_nn  # noqa: F401
 from ._registry import OpDef, REGISTRY, clear_kernel_caches, kernel_cache_info, ops
 from ._result import Err, Ok, Result, TapeError
 from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
+from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices, tie
 from ._session import (
     Grads,
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = _fn_all + [
     "Err",
     "Grads",
+    "Optimizer",
     "Param",
     "ParameterGroup",
     "RationalFallbackWarning",

@@ -362,6 +362,18 @@ def group_parameter_leaves(params_by_leaf: Mapping[int, Any], storage_by_leaf: M
     return groups
 
 
+def sum_in_leaf_order(parts: Sequence[Any]) -> Any:
+    """Sum the cotangents of one storage's leaves in recording order.
+
+    A single cotangent is returned as the very same array (no copy, no add). The
+    optimizer and ``grads[param]`` both use this, so their sums are bit-identical.
+    """
+    g = parts[0]
+    for extra in parts[1:]:
+        g = g + extra
+    return g
+
+
 def _release(arrays: Any, keep: Sequence[Any] = ()) -> int:
     """Delete device buffers of ``arrays`` (skipping those in ``keep``); returns how many."""
     n = 0
@@ -421,9 +433,7 @@ class Grads(Mapping[Any, Any]):
             parts = [self.by_leaf[i] for i in group.leaves if i in self.by_leaf]
             if not parts:
                 return None
-            got = parts[0]
-            for p in parts[1:]:
-                got = got + p
+            got = sum_in_leaf_order(parts)
             self._sums[group.id] = got
         return got
 
@@ -833,7 +843,11 @@ class Session:
                 "backward: this is an inference session (grad_enabled=False); it records no gradients. "
                 "Open a Session(grad_enabled=True) to train"
             )
-        by_leaf = _tape_backward(self._tape, loss.id, seed=seed)
+        # every trainable leaf gets a gradient (zeros when the loss does not reach it)
+        nodes = self._tape._buf.nodes
+        wrt = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
+        wrt += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
+        by_leaf = _tape_backward(self._tape, loss.id, seed=seed, wrt=wrt)
         return Grads(by_leaf, self.parameter_groups(), self._owner, self._generation, keep=() if seed is None else (seed,))
 
     # -- reset -----------------------------------------------------------------
