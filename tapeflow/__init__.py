@@ -13,6 +13,7 @@ from ._registry import OpDef, REGISTRY, clear_kernel_caches, kernel_cache_info, 
 from ._result import Err, Ok, Result, TapeError
 from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
 from ._optim import Optimizer
+from ._functional import TrainStep, param_values, train_step, value_and_grad
 from ._params import Param, Storage, canonical_indices, tie
 from ._session import (
     Grads,
@@ -32,6 +33,10 @@ __all__ = _fn_all + [
     "Err",
     "Grads",
     "Optimizer",
+    "TrainStep",
+    "param_values",
+    "train_step",
+    "value_and_grad",
     "Param",
     "ParameterGroup",
     "RationalFallbackWarning",

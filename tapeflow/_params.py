@@ -150,29 +150,49 @@ class Param:
     ((2, 2), 'w', True)
     """
 
-    __slots__ = ("storage", "name", "trainable", "__weakref__")
+    __slots__ = ("storage", "name", "trainable", "_bound", "__weakref__")
     __array_priority__ = 1000
 
     def __init__(self, value: Any, name: str | None = None, trainable: bool = True) -> None:
         self.storage = Storage(value)
         self.name = name
         self.trainable = bool(trainable)
+        self._bound: Any = None
 
     @classmethod
-    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool) -> Param:
+    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool, bound: Any = None) -> Param:
         p = object.__new__(cls)
         p.storage = storage
         p.name = name
         p.trainable = trainable
+        p._bound = bound
         return p
 
     @property
+    def bound(self) -> bool:
+        """True for a read-only view made by JAX's pytree machinery (see :meth:`value`)."""
+        return self._bound is not None
+
+    @property
     def value(self) -> Any:
-        """The current value (a ``jax.Array``), synchronized from a newer device mirror."""
+        """The current value (a ``jax.Array``), synchronized from a newer device mirror.
+
+        ``Param`` is a JAX pytree whose one leaf is this value and whose static
+        part is the storage identity; a ``Param`` rebuilt by JAX (for example the
+        argument seen inside ``jax.jit``) is a read-only view bound to the leaf it
+        was rebuilt with, and ``value`` returns that leaf.
+        """
+        if self._bound is not None:
+            return self._bound
         return self.storage.read_host()
 
     @value.setter
     def value(self, new: Any) -> None:
+        if self._bound is not None:
+            raise TypeError(
+                f"{self!r} is a read-only view rebuilt by a JAX transformation; assign to the original Param "
+                "(or let tfl.train_step / Optimizer.step write the storage)"
+            )
         self.storage.write(new)
 
     @property
@@ -193,6 +213,19 @@ class Param:
     def __repr__(self) -> str:
         frozen = "" if self.trainable else ", frozen"
         return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
+
+
+def _param_flatten(p: Param) -> tuple[tuple[Any], tuple[Storage, str | None, bool]]:
+    value = p._bound if p._bound is not None else p.storage.read(None)  # no host sync
+    return (value,), (p.storage, p.name, p.trainable)
+
+
+def _param_unflatten(aux: tuple[Storage, str | None, bool], children: Any) -> Param:
+    storage, name, trainable = aux
+    return Param._from_storage(storage, name, trainable, bound=children[0])
+
+
+jax.tree_util.register_pytree_node(Param, _param_flatten, _param_unflatten)
 
 
 def tie(p: Param, name: str | None = None, trainable: bool | None = None) -> Param:

@@ -18,9 +18,11 @@ the backend audit, and the device.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import itertools
+import math
 import sys
 import threading
 import warnings
@@ -557,6 +559,8 @@ class Session:
         self._tokens: list[contextvars.Token[Session | None]] = []
         self._overrides: dict[int, Any] | None = None  # storage id -> value (functional bridge)
         self._base_key: Any = None
+        self._default_device = self.device == jax.devices()[0]
+        self._constants: dict[Any, Any] = {}
 
     # -- read-only state -------------------------------------------------------
     @property
@@ -596,6 +600,15 @@ class Session:
             self.reset()
         finally:
             _CURRENT.reset(self._tokens.pop())
+
+    @contextlib.contextmanager
+    def _as_current(self) -> Iterator[Session]:
+        """Make this the current session without resetting it afterwards."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
 
     # -- handles ---------------------------------------------------------------
     def _handle(self, node_id: int) -> Tensor:
@@ -654,6 +667,8 @@ class Session:
         return self._commit_leaf(self._tape[h.id].value, False)
 
     def _param_value(self, p: Param) -> Any:
+        if p._bound is not None:
+            return p._bound
         st = p.storage
         if self._overrides is not None:
             v = self._overrides.get(id(st))
@@ -772,7 +787,15 @@ class Session:
                 dt = ref_dtype
             else:
                 dt = np.dtype(np.float32) if isinstance(o, float) else np.dtype(np.int32)
-            return jax.device_put(np.asarray(o, dtype=dt), self.device)
+            key = (type(o), o, math.copysign(1.0, o), dt)
+            c = self._constants.get(key)
+            if c is None:
+                c = np.asarray(o, dtype=dt)
+                # uncommitted on the default device, so it also mixes with sharded tracers under jit
+                c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
+                if len(self._constants) < 1024:
+                    self._constants[key] = c
+            return c
         if isinstance(o, np.ndarray) and o.dtype == R.OBJECT:
             self._warn_rational()
             return o

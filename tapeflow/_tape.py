@@ -193,7 +193,7 @@ def _as_value(value: Any, device: jax.Device | None) -> Any:
     if isinstance(value, jax.core.Tracer):
         return value
     if device is not None:
-        if isinstance(value, jax.Array) and value.committed and value.devices() == {device}:
+        if isinstance(value, jax.Array) and value.devices() == {device}:
             return value
         return jax.device_put(value, device)
     if isinstance(value, jax.Array):
@@ -227,6 +227,17 @@ def _freeze(v: Any) -> Any:
     return v
 
 
+def _operands_note(tape: Tape, inputs: Any) -> str:
+    """`` (operands: ...)`` for an error message, or ``""`` when ``inputs`` are not all node ids."""
+    try:
+        ids = tuple(inputs)
+        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+            return ""
+        return f" (operands: {R.describe(tuple(tape[i].spec for i in ids))})"
+    except Exception:
+        return ""
+
+
 def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Tape, Ok[int] | Err]:
     """Apply registered op ``op`` to the nodes ``inputs``; returns ``(tape, Ok(id) | Err(msg))``.
 
@@ -244,7 +255,7 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
     """
     d = R.REGISTRY.get(op) if isinstance(op, str) else None
     if d is None:
-        return tape, Err(f"unknown op {op!r}; registered ops: {', '.join(R.ops())}")
+        return tape, Err(f"unknown op {op!r}{_operands_note(tape, inputs)}; registered ops: {', '.join(R.ops())}")
     nodes = tape._buf.nodes
     n = tape._n
     try:
@@ -272,7 +283,9 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
             try:
                 hash(akey)
             except TypeError as e:
-                return tape, Err(f"{op}: attribute values must be hashable constants ({e})")
+                return tape, Err(
+                    f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
+                )
     else:
         akey = ()
     entry = R.get_fwd(op, akey, specs)

@@ -1,0 +1,288 @@
+"""The functional bridge: session model code as pure functions for ``jax.jit``.
+
+The same ``loss_fn(session, *args) -> scalar Tensor`` that runs eagerly in a
+notebook becomes
+
+* :func:`value_and_grad`: a pure ``(params, *args) -> (loss, grads)`` over a
+  pytree of parameters, composable with ``jax.jit``, ``jax.vmap``,
+  ``jax.lax.scan`` and hand-written optax code;
+* :func:`train_step`: forward, backward, per-storage gradient sums and the
+  optax update as **one** compiled XLA program, writing the results back into
+  the :class:`~tapeflow.Param` storages and the :class:`~tapeflow.Optimizer`.
+
+Both trace the session code once per input signature: the tape is recorded on
+tracers, differentiated with the same registry VJPs, and the Python graph walk
+disappears from the compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._params import Param, Storage, canonical_indices
+from ._result import TapeError
+from ._session import Session, Tensor, group_parameter_leaves, sum_in_leaf_order
+
+__all__ = ["value_and_grad", "train_step", "TrainStep", "param_values"]
+
+
+def _is_param(x: Any) -> bool:
+    return isinstance(x, Param)
+
+
+def param_values(params: Any) -> Any:
+    """The current values of a pytree of Params (same structure, arrays at the leaves).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> tfl.param_values({"w": tfl.Param(jnp.ones(2))})["w"].tolist()
+    [1.0, 1.0]
+    """
+    return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
+
+
+def _functional_session(overrides: dict[int, Any], key: Any) -> Session:
+    s = Session(device=None, seed=0)
+    s._overrides = overrides
+    if key is not None:
+        s._base_key = key
+    return s
+
+
+def _trace_loss(
+    loss_fn: Callable[..., Any], has_aux: bool, overrides: dict[int, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Session, Tensor, Any]:
+    s = _functional_session(overrides, key)
+    with s._as_current():
+        out = loss_fn(s, *args, **kwargs)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TapeError("value_and_grad(has_aux=True): loss_fn must return (loss, aux)")
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not isinstance(loss, Tensor):
+        raise TapeError(f"loss_fn must return a scalar tfl.Tensor recorded on the session it was given, got {type(loss).__name__}")
+    s.check(loss)
+    if loss.shape != ():
+        raise TapeError(f"loss_fn must return a scalar; got a tensor of shape {loss.shape} (reduce it with tfl.mean or tfl.sum)")
+    aux = jax.tree_util.tree_map(lambda a: a.value if isinstance(a, Tensor) else a, aux, is_leaf=lambda a: isinstance(a, Tensor))
+    return s, loss, aux
+
+
+def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> list[Any]:
+    """Backward, then one gradient per storage: leaf cotangents summed in leaf order (zeros if unused)."""
+    grads = s.backward(loss)
+    by_storage: dict[int, Any] = {}
+    for g in group_parameter_leaves(s._trainable_params(), s._storage_by_leaf):
+        if g.storage is not None:
+            by_storage[id(g.storage)] = sum_in_leaf_order([grads.by_leaf[i] for i in g.leaves])
+    out = []
+    for st in storages:
+        v = by_storage.get(id(st))
+        out.append(jnp.zeros(st.shape, st.dtype) if v is None else v)
+    return out
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
+
+    ``params`` is any pytree whose leaves are :class:`Param` s (a dict by name, a
+    list, a module's ``parameters_dict()``); they give the values of their
+    storages for this call, whichever record of a storage ``loss_fn`` uses.
+    ``grads`` has the same structure, with one array per Param: the cotangents of
+    every use of that storage summed in recording order, exactly as
+    :meth:`Session.backward` and :class:`Optimizer` do. Each storage may appear
+    only once in ``params`` (tied records resolve to it).
+
+    With ``has_aux=True`` ``loss_fn`` returns ``(loss, aux)`` and ``f`` returns
+    ``((loss, aux), grads)``; Tensors inside ``aux`` come back as arrays.
+    A keyword argument ``rng`` (a ``jax.random`` key) seeds the session's random
+    tensors for the call.
+
+    >>> import jax, jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
+    >>> def loss_fn(s, x):
+    ...     return tfl.sum(w * x * w)
+    >>> f = jax.jit(tfl.value_and_grad(loss_fn))
+    >>> loss, g = f({"w": w}, jnp.array([3.0, 1.0]))
+    >>> float(loss), g["w"].tolist()
+    (7.0, [6.0, 4.0])
+    """
+
+    def f(params: Any, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_param)
+        for i, p in enumerate(leaves):
+            if not isinstance(p, Param):
+                raise TypeError(
+                    f"value_and_grad: params leaf {i} is {type(p).__name__}; pass a pytree of tfl.Param "
+                    "(e.g. {'w': w}) so each value is tied to its storage"
+                )
+        canon = canonical_indices([p.storage for p in leaves])
+        for i, c in enumerate(canon):
+            if c != i:
+                raise TapeError(
+                    f"value_and_grad: params leaves {c} and {i} ({leaves[c]!r}, {leaves[i]!r}) share one storage; "
+                    "pass each storage once (tied records resolve to it)"
+                )
+        storages = [p.storage for p in leaves]
+        overrides = {id(p.storage): p.value for p in leaves}
+        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
+        gl = _storage_grads(s, loss, storages)
+        value = s._tape[loss.id].value
+        grads = jax.tree_util.tree_unflatten(treedef, gl)
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    functools.update_wrapper(f, loss_fn, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    return f
+
+
+class TrainStep:
+    """A compiled training step made by :func:`train_step`; call it with the batch."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: Any,
+        *,
+        mesh: Any = None,
+        data_axis: str | None = "data",
+        param_specs: Mapping[Any, Any] | None = None,
+        donate: bool = True,
+        has_aux: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.data_axis = data_axis
+        self.donate = donate
+        self.has_aux = has_aux
+        self.seed = int(seed)
+        self.step_count = 0
+        self.trace_count = 0
+        self._param_specs = dict(param_specs or {})
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1) if donate else ())
+        self._shardings: Any = None
+
+    # -- the pure step ---------------------------------------------------------
+    def _pure(self, values: list[Any], state: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.trace_count += 1
+        opt = self.optimizer
+        storages = opt.params
+        overrides = {id(st): v for st, v in zip(storages, values)}
+        s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
+        used_ids = {id(g.storage) for g in s.parameter_groups() if g.storage is not None}
+        used = tuple(id(st) in used_ids for st in storages)
+        grads = _storage_grads(s, loss, storages)
+        new_vals, new_state = opt._update_fn(used)(grads, state, values)
+        out_loss = s._tape[loss.id].value
+        return new_vals, new_state, out_loss, aux
+
+    # -- sharding --------------------------------------------------------------
+    def _spec_for(self, k: int) -> Any:
+        from jax.sharding import PartitionSpec
+
+        opt = self.optimizer
+        st = opt.params[k]
+        for key, spec in self._param_specs.items():
+            if (isinstance(key, Param) and key.storage is st) or key is st:
+                return spec
+            if isinstance(key, str) and opt._names is not None and opt._slot_keys[k] == key:
+                return spec
+        return PartitionSpec()
+
+    def _place(self, values: list[Any], state: Any, args: tuple[Any, ...]) -> tuple[list[Any], Any, tuple[Any, ...]]:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh = self.mesh
+        opt = self.optimizer
+        n = len(values)
+        pshard = [NamedSharding(mesh, self._spec_for(k)) for k in range(n)]
+        repl = NamedSharding(mesh, PartitionSpec())
+        values = [jax.device_put(v, sh) for v, sh in zip(values, pshard)]
+        container = dict if opt._names is not None else list
+
+        def place_state(x: Any) -> Any:
+            if type(x) is container and len(x) == n:  # a per-parameter slot tree: shard like the params
+                leaves = opt._leaves(x)
+                return opt._tree([jax.device_put(l, pshard[k]) if hasattr(l, "shape") and tuple(l.shape) == tuple(values[k].shape) else jax.device_put(l, repl) for k, l in enumerate(leaves)])
+            return jax.device_put(x, repl) if hasattr(x, "shape") else x
+
+        state = jax.tree_util.tree_map(place_state, state, is_leaf=lambda x: type(x) is container and len(x) == n)
+        batch = NamedSharding(mesh, PartitionSpec(self.data_axis)) if self.data_axis else repl
+
+        def place_arg(a: Any) -> Any:
+            if hasattr(a, "shape") and len(np.shape(a)) >= 1:
+                return jax.device_put(a, batch)
+            return a
+
+        args = jax.tree_util.tree_map(place_arg, args)
+        return values, state, args
+
+    # -- call ------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opt = self.optimizer
+        opt._check_layout()
+        storages = opt.params
+        values = [st.read(None) for st in storages]
+        state = opt.state
+        if self.mesh is not None:
+            values, state, args = self._place(values, state, args)
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step_count)
+        new_vals, new_state, loss, aux = self._compiled(values, state, key, args, kwargs)
+        for st, v in zip(storages, new_vals):
+            st.write(v, on_device=True)
+        opt.state = new_state
+        self.step_count += 1
+        return (loss, aux) if self.has_aux else loss
+
+    def cache_size(self) -> int:
+        """How many programs are compiled (one per distinct shapes/dtypes/static arguments)."""
+        return int(self._compiled._cache_size())
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: Any,
+    *,
+    mesh: Any = None,
+    data_axis: str | None = "data",
+    param_specs: Mapping[Any, Any] | None = None,
+    donate: bool = True,
+    has_aux: bool = False,
+    seed: int = 0,
+) -> TrainStep:
+    """Compile ``loss_fn(session, *args)`` plus ``optimizer``'s update into one XLA program.
+
+    ``step = train_step(loss_fn, opt)`` then ``loss = step(*batch)`` runs forward,
+    backward, per-storage sums of tied cotangents and the optax update as one
+    compiled call, then writes the new values into the Param storages and the new
+    state into ``opt``. It retraces only for new shapes, dtypes or static
+    arguments (``step.trace_count``).
+
+    * ``mesh``: a ``jax.sharding.Mesh``; arguments are sharded over ``data_axis``
+      along their first dimension, parameters are replicated unless
+      ``param_specs`` maps a Param (or its name) to a ``PartitionSpec``; per-parameter
+      optimizer slots follow their parameter's sharding.
+    * ``donate``: donate the previous parameter and optimizer-state buffers to the
+      update. Arrays still referring to them (a Param value you kept, a leaf of an
+      eager recording that was not reset) become invalid; pass ``donate=False`` if
+      you mix eager recordings with compiled steps.
+    * ``seed``: session random tensors in step ``k`` derive from ``fold_in(key(seed), k)``.
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array(3.0), name="w")
+    >>> opt = tfl.Optimizer(optax.sgd(0.25), [w])
+    >>> step = tfl.train_step(lambda s, x: (w * x - 1.0) ** 2.0, opt)
+    >>> round(float(step(jnp.array(1.0))), 3), round(float(w.value), 3)
+    (4.0, 2.0)
+    """
+    return TrainStep(
+        loss_fn, optimizer, mesh=mesh, data_axis=data_axis, param_specs=param_specs, donate=donate, has_aux=has_aux, seed=seed
+    )
