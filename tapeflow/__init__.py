@@ -13,6 +13,7 @@ from ._registry import OpDef, REGISTRY, clear_kernel_caches, kernel_cache_info, 
 from ._result import Err, Ok, Result, TapeError
 from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
 from ._optim import Optimizer
+from ._checkpoint import CheckpointError, restore, save
 from ._functional import TrainStep, param_values, train_step, value_and_grad
 from ._params import Param, Storage, canonical_indices, tie
 from ._session import (
@@ -26,10 +27,14 @@ from ._session import (
 )
 from ._functions import *  # noqa: F403
 from ._functions import __all__ as _fn_all
+from . import nn  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = _fn_all + [
+    "CheckpointError",
+    "restore",
+    "save",
     "Err",
     "Grads",
     "Optimizer",

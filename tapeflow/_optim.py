@@ -55,8 +55,10 @@ def _records_of(params: Any) -> tuple[list[Param], list[str] | None]:
     return recs, names
 
 
-def _is_slot_tree(x: Any, n: int, container: type) -> bool:
-    return type(x) is container and len(x) == n
+def _is_slot_tree(x: Any, n: int, container: type, keys: frozenset[Any] | None = None) -> bool:
+    """A per-parameter subtree of an optax state: same container and size as the params tree
+    (and, for a dict, the same keys, so e.g. multi_transform's per-label dict is not one)."""
+    return type(x) is container and len(x) == n and (keys is None or set(x) == keys)
 
 
 class Optimizer:
@@ -136,14 +138,22 @@ class Optimizer:
 
     def _check_layout(self) -> None:
         now = canonical_indices([p.storage for p in self._records])
-        if now != self._layout:
-            first = next(i for i, (a, b) in enumerate(zip(now, self._layout)) if a != b)
-            raise TapeError(
-                f"Optimizer: the alias layout of its parameters changed since init (registration {first} "
-                f"{self._records[first]!r} now shares storage with registration {now[first]}, was {self._layout[first]}); "
-                "existing optimizer state cannot be mapped onto the new storages. Call opt.reinit() to start "
-                "from fresh optimizer state"
-            )
+        if now == self._layout:
+            stale = next((i for i, p in enumerate(self._records) if id(p.storage) not in self._slot_of_storage), None)
+            if stale is not None:
+                raise TapeError(
+                    f"Optimizer: registration {stale} {self._records[stale]!r} now points at a storage that was not "
+                    "given to the optimizer at init; existing optimizer state has no slot for it. Call opt.reinit() "
+                    "to start from fresh optimizer state"
+                )
+            return
+        first = next(i for i, (a, b) in enumerate(zip(now, self._layout)) if a != b)
+        raise TapeError(
+            f"Optimizer: the alias layout of its parameters changed since init (registration {first} "
+            f"{self._records[first]!r} now shares storage with registration {now[first]}, was {self._layout[first]}); "
+            "existing optimizer state cannot be mapped onto the new storages. Call opt.reinit() to start "
+            "from fresh optimizer state"
+        )
 
     # -- gradients -------------------------------------------------------------
     def _collect(self, grads: Any) -> list[tuple[Any, ...] | None]:
@@ -191,7 +201,9 @@ class Optimizer:
                 continue
             st = self._slot_storages[k]
             for g in parts:
-                shape, dtype = tuple(np.shape(g)), np.dtype(getattr(g, "dtype", np.asarray(g).dtype))
+                if not hasattr(g, "dtype"):
+                    g = np.asarray(g)
+                shape, dtype = tuple(g.shape), np.dtype(g.dtype)
                 if shape != st.shape or dtype != st.dtype:
                     raise TapeError(
                         f"Optimizer.step: gradient for {self._describe_slot(k)} is {R.fmt_spec((shape, dtype))} but the "
@@ -225,6 +237,7 @@ class Optimizer:
         tx = self.tx
         n = len(self._slot_storages)
         container = dict if self._names is not None else list
+        keys = frozenset(self._slot_keys) if self._names is not None else None
         tree = self._tree
         leaves_of = self._leaves
 
@@ -239,13 +252,13 @@ class Optimizer:
             new_vals = [nv if used[k] else values[k] for k, nv in enumerate(new_vals)]
 
             def keep_unused(new: Any, old: Any) -> Any:
-                if _is_slot_tree(new, n, container):
+                if _is_slot_tree(new, n, container, keys):
                     nl, ol = leaves_of(new), leaves_of(old)
                     return tree([nl[k] if used[k] else ol[k] for k in range(n)])
                 return new
 
             def is_slot(x: Any) -> bool:
-                return _is_slot_tree(x, n, container)
+                return _is_slot_tree(x, n, container, keys)
 
             new_state = jax.tree_util.tree_map(keep_unused, new_state, state, is_leaf=is_slot)
             return new_vals, new_state
@@ -254,19 +267,26 @@ class Optimizer:
         return fn
 
     def step(self, grads: Any, *, check_finite: bool | None = None) -> None:
-        """Apply one update per storage used in the recording; releases ``grads`` afterwards.
+        """Apply one update per storage used in the recording, then free the gradients it used.
 
         Every gradient is validated (present, shape and dtype; finiteness when
-        ``check_finite``) before any parameter changes. The gradient buffers are
-        released after the update, also when it raises.
+        ``check_finite``) before any parameter changes. The gradient buffers this
+        step consumed are released after the update, also when it raises; once
+        every parameter group of ``grads`` is consumed the whole ``Grads`` is
+        released (so two optimizers over disjoint parameters can share one).
         """
         self._check_layout()
         per_slot = self._collect(grads)
         self._validate(per_slot, self.check_finite if check_finite is None else check_finite)
         used = tuple(p is not None for p in per_slot)
+        mine = (
+            [g for g in grads.groups if g.storage is not None and id(g.storage) in self._slot_of_storage]
+            if isinstance(grads, Grads)
+            else []
+        )
         if not any(used):
             if isinstance(grads, Grads):
-                grads.release()
+                grads.consume(mine)
             return
         temps: list[Any] = []
         try:
@@ -279,7 +299,7 @@ class Optimizer:
         finally:
             _release(temps)
             if isinstance(grads, Grads):
-                grads.release()
+                grads.consume(mine)  # frees what this step used; all of it once every group is used
         for k, st in enumerate(self._slot_storages):
             if used[k]:
                 st.write(new_vals[k], on_device=True)

@@ -422,6 +422,7 @@ class Grads(Mapping[Any, Any]):
                 self._group_of_storage[id(g.storage)] = g
         self._sums: dict[int, Any] = {}
         self._keep = list(keep)
+        self._param_leaves = {i for g in groups for i in g.leaves}
         self.released = False
 
     # -- gradient per group ----------------------------------------------------
@@ -477,9 +478,11 @@ class Grads(Mapping[Any, Any]):
         return True
 
     def __iter__(self) -> Iterator[int]:
+        self._check_live()
         return iter(self.by_leaf)
 
     def __len__(self) -> int:
+        self._check_live()
         return len(self.by_leaf)
 
     def params(self) -> list[tuple[Any, Any]]:
@@ -490,6 +493,24 @@ class Grads(Mapping[Any, Any]):
             if v is not None:
                 out.append((g.parameter, v))
         return out
+
+    def consume(self, groups: Sequence[ParameterGroup]) -> None:
+        """Free the buffers of ``groups`` (an optimizer has used them).
+
+        Once every parameter group is consumed the whole object is released, so
+        two optimizers over disjoint parameters can share one ``Grads``.
+        """
+        if self.released:
+            return
+        arrays = []
+        for g in groups:
+            arrays += [self.by_leaf.pop(i) for i in g.leaves if i in self.by_leaf]
+            if g.id in self._sums:
+                arrays.append(self._sums.pop(g.id))
+            self._param_leaves.difference_update(g.leaves)
+        _release(arrays, keep=self._keep)
+        if not self._param_leaves:
+            self.release()
 
     def release(self) -> None:
         """Free the device buffers these gradients own (idempotent)."""
@@ -543,7 +564,7 @@ class Session:
 
     def __init__(self, device: Any = None, seed: int = 0, grad_enabled: bool = True, show_backend: bool = False) -> None:
         self.device: jax.Device = resolve_device(device) if device is not None else jax.devices()[0]
-        self.seed = int(seed)
+        self._seed = int(seed)
         self.grad_enabled = bool(grad_enabled)
         self.show_backend = bool(show_backend)
         self._owner = _next_owner()
@@ -577,6 +598,28 @@ class Session:
     def rng_counter(self) -> int:
         """Number of random tensors drawn so far (kept across resets)."""
         return self._rng_counter
+
+    @property
+    def seed(self) -> int:
+        """Seed of the session's random tensors (see :meth:`set_rng_state`)."""
+        return self._seed
+
+    def set_rng_state(self, seed: int | None = None, counter: int | None = None) -> None:
+        """Set the RNG seed and/or counter, e.g. to continue a restored run.
+
+        >>> s = Session(seed=1)
+        >>> a = s.normal((2,)).value
+        >>> s.set_rng_state(seed=1, counter=0)
+        >>> bool((s.normal((2,)).value == a).all())
+        True
+        """
+        if seed is not None:
+            self._seed = int(seed)
+            self._base_key = None
+        if counter is not None:
+            if int(counter) < 0:
+                raise ValueError(f"rng counter must be >= 0, got {counter}")
+            self._rng_counter = int(counter)
 
     @property
     def tape(self) -> Tape:
@@ -816,7 +859,7 @@ class Session:
     # -- randomness ------------------------------------------------------------
     def _next_key(self) -> Any:
         if self._base_key is None:
-            self._base_key = jax.random.PRNGKey(self.seed)
+            self._base_key = jax.random.PRNGKey(self._seed)
         k = jax.random.fold_in(self._base_key, self._rng_counter)
         self._rng_counter += 1
         return k
@@ -892,8 +935,10 @@ class Session:
         buf = self._tape._buf
         # Another Tape value (a fork, or a tape the user kept) shares these nodes:
         # their values must stay valid, so leave freeing to the garbage collector.
-        # References: self._tape._buf, `buf`, getrefcount's argument.
-        if sys.getrefcount(buf) > 3:
+        # References: self._tape._buf, `buf`, getrefcount's argument; and for the
+        # current Tape object itself (which the user may hold as `s.tape`):
+        # self._tape and getrefcount's argument.
+        if sys.getrefcount(buf) > 3 or sys.getrefcount(self._tape) > 2:
             return
         nodes = buf.nodes
         leaf_vals = {id(nd.value) for nd in nodes if nd.op is None}

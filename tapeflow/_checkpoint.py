@@ -1,0 +1,647 @@
+"""Checkpoints: parameters, alias layout, optimizer state and session RNG, via orbax.
+
+:func:`save` writes one directory of orbax items, committed together in a
+single atomic rename (orbax writes a temporary directory first):
+
+* ``params``: the parameter values, one array per *storage* (tied
+  registrations are stored once);
+* ``opt_state``: the leaves of the optax state (when an optimizer is given);
+* ``meta``: a JSON description: format version, every registration's name,
+  shape and dtype, the alias layout, the optimizer's state structure (treedef
+  string, leaf shapes and dtypes), its alias layout, the session's seed and RNG
+  counter, and a SHA-256 digest of every array.
+
+:func:`restore` validates the whole checkpoint against the destination before
+it installs anything: layout slot by slot, shapes, dtypes, optimizer structure,
+and that every array reads back with the digest it was saved with. On any
+difference it raises :class:`CheckpointError` and leaves parameters, optimizer
+state and RNG counter untouched.
+
+>>> import tempfile, os, jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.arange(3.0), name="w")
+>>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+>>> tfl.save(d, [w, tfl.tie(w, name="w_out")])
+>>> v = tfl.Param(jnp.zeros(3), name="w")
+>>> tfl.restore(d, [v, tfl.tie(v, name="w_out")])
+>>> v.value.tolist()
+[0.0, 1.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _registry as R
+from ._params import Param, _device_of, canonical_indices
+
+__all__ = ["CheckpointError", "save", "restore"]
+
+FORMAT = "tapeflow.checkpoint"
+VERSION = 1
+_PARAMS = "params"
+_OPT = "opt_state"
+_META = "meta"
+_ORBAX_MARKER = "_CHECKPOINT_METADATA"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be saved or restored; nothing was installed."""
+
+
+# --------------------------------------------------------------------------- orbax
+
+
+def _ocp() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - dependency of the package
+        raise CheckpointError(
+            "tapeflow checkpoints need orbax-checkpoint; install it with `pip install orbax-checkpoint`"
+        ) from e
+    return ocp
+
+
+class _QuietUnraisable:
+    """Swallow the 'Exception ignored in <coroutine ...>' noise orbax leaves after a failed read."""
+
+    def __enter__(self) -> None:
+        self._old = sys.unraisablehook
+
+        def hook(u: Any) -> None:
+            obj = u.object
+            if type(obj).__name__ == "coroutine" and "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", ""):
+                return
+            if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+                return  # a TensorStore callback into orbax's finished event loop
+            self._old(u)
+
+        sys.unraisablehook = hook
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            if exc_type is not None:  # the abandoned coroutines are collected (and reported) here
+                gc.collect()
+        finally:
+            sys.unraisablehook = self._old
+
+
+def _short(e: BaseException) -> str:
+    """The gist of an orbax / TensorStore error (without the multi-kilobyte store spec)."""
+    msg = str(e).split("\n", 1)[0]
+    for cut in (" [tensorstore_spec", " See full TensorStore details", "tensorstore_spec"):
+        k = msg.find(cut)
+        if k > 0:
+            msg = msg[:k]
+    msg = msg.strip().rstrip(".:")
+    if len(msg) > 300:
+        msg = msg[:300] + "..."
+    return f"{type(e).__name__}: {msg}"
+
+
+def _checkpointer() -> Any:
+    ocp = _ocp()
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+# --------------------------------------------------------------------------- collecting
+
+
+def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param], bool]:
+    """(names, registrations, keyed): keyed when names come from a mapping or a module."""
+    obj = params_or_module
+    if isinstance(obj, Param):
+        return [obj.name], [obj], False
+    if hasattr(obj, "parameter_records") and callable(obj.parameter_records):
+        pairs = list(obj.parameter_records())
+        keyed = True
+    elif hasattr(obj, "named_parameters") and callable(obj.named_parameters):
+        pairs = list(obj.named_parameters())
+        keyed = True
+    elif isinstance(obj, Mapping):
+        pairs = [(str(k), v) for k, v in obj.items()]
+        keyed = True
+    else:
+        try:
+            recs = list(obj)
+        except TypeError:
+            raise TypeError(
+                "expected a sequence of tfl.Param, a mapping name -> Param, or a module with parameter_records(); "
+                f"got {type(obj).__name__}"
+            ) from None
+        pairs = [(getattr(p, "name", None), p) for p in recs]
+        keyed = False
+    names: list[str | None] = []
+    regs: list[Param] = []
+    for i, pair in enumerate(pairs):
+        try:
+            name, p = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"parameter_records() entry {i} is not a (name, Param) pair: {pair!r}") from None
+        if not isinstance(p, Param):
+            where = f"{name!r}" if keyed else f"position {i}"
+            raise TypeError(f"{where} holds {type(p).__name__}, expected a tfl.Param")
+        if p.bound:
+            raise TypeError(f"{p!r} is a read-only view made by a JAX transformation; pass the original Param")
+        names.append(None if name is None else str(name))
+        regs.append(p)
+    return names, regs, keyed
+
+
+def _spec_str(shape: Any, dtype: Any) -> str:
+    return R.fmt_spec((tuple(shape), np.dtype(dtype)))
+
+
+def _dtype_name(dt: Any) -> str:
+    return np.dtype(dt).name
+
+
+def _digest(a: Any) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()
+
+
+def _reg_label(i: int, names: list[str | None]) -> str:
+    n = names[i] if i < len(names) else None
+    return f"registration {i}" + (f" ({n!r})" if n is not None else "")
+
+
+def _check_not_rational(dtype: Any, what: str) -> None:
+    if np.dtype(dtype) == R.OBJECT:
+        raise CheckpointError(
+            f"{what} holds exact rationals (object dtype); checkpoints of exact rational parameters are not supported. "
+            "Convert the values to a float dtype first (or pickle them yourself)"
+        )
+
+
+def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str | None], verb: str) -> list[int]:
+    """For each optimizer slot, the first registration (in ``regs``) of its storage."""
+    first: dict[int, int] = {}
+    for i, p in enumerate(regs):
+        first.setdefault(id(p.storage), i)
+    out = []
+    for k, st in enumerate(optimizer.params):
+        i = first.get(id(st))
+        if i is None:
+            rec = next((p for p in optimizer.records if p.storage is st), st)
+            raise CheckpointError(
+                f"the optimizer's slot {k} updates {rec!r}, which is not among the parameters being {verb}; "
+                "pass every parameter the optimizer updates (e.g. the same list / module the optimizer was built from)"
+            )
+        out.append(i)
+    return out
+
+
+def _check_opt_current(optimizer: Any) -> None:
+    now = canonical_indices([p.storage for p in optimizer.records])
+    if now != optimizer.alias_layout:
+        raise CheckpointError(
+            "the optimizer's alias layout changed since it was built (its parameters were re-tied); "
+            "call optimizer.reinit() before saving or restoring"
+        )
+
+
+def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
+    """(treedef, leaves, key path of each leaf) of the optax state."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(optimizer.state)
+    return treedef, [x for _, x in with_paths], [jax.tree_util.keystr(kp) for kp, _ in with_paths]
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any = None, *, overwrite: bool = False) -> None:
+    """Write a checkpoint directory at ``path`` (atomically).
+
+    ``params_or_module``: a sequence of :class:`~tapeflow.Param` registrations
+    (tied records included), a mapping ``name -> Param``, or a module with
+    ``parameter_records()``. ``optimizer``: a :class:`~tapeflow.Optimizer` whose
+    parameters are among them. ``session``: a :class:`~tapeflow.Session` whose
+    seed and RNG counter are saved. ``overwrite=False`` refuses an existing path;
+    ``overwrite=True`` replaces an existing checkpoint only after the new one is
+    complete.
+
+    >>> import tempfile, os, jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2), name="w")
+    >>> opt, s = tfl.Optimizer(optax.adam(0.1), [w]), tfl.Session(seed=1)
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> tfl.save(d, [w], opt, s)
+    >>> w2 = tfl.Param(jnp.zeros(2), name="w")
+    >>> opt2, s2 = tfl.Optimizer(optax.adam(0.1), [w2]), tfl.Session()
+    >>> tfl.restore(d, [w2], opt2, s2)
+    >>> w2.value.tolist(), s2.seed
+    ([1.0, 1.0], 1)
+    >>> tfl.restore(d, [w2, tfl.Param(jnp.zeros(2))])
+    Traceback (most recent call last):
+    tapeflow._checkpoint.CheckpointError: checkpoint at ... has 1 parameter registrations, the destination has 2; ...
+    """
+    path = os.path.abspath(os.fspath(path))
+    names, regs, keyed = _registrations(params_or_module)
+    if os.path.lexists(path):
+        if not overwrite:
+            raise CheckpointError(f"checkpoint path {path} already exists; pass overwrite=True to replace it")
+        if not (os.path.isdir(path) and not os.path.islink(path)) or (
+            os.listdir(path) and not os.path.exists(os.path.join(path, _ORBAX_MARKER))
+        ):
+            raise CheckpointError(
+                f"refusing to overwrite {path}: it is not a checkpoint directory (nor an empty directory); "
+                "choose another path or remove it yourself"
+            )
+
+    layout = canonical_indices([p.storage for p in regs])
+    arrays: dict[str, dict[str, Any]] = {_PARAMS: {}, _OPT: {}}
+    registrations = []
+    for i, (n, p) in enumerate(zip(names, regs)):
+        _check_not_rational(p.dtype, _reg_label(i, names))
+        registrations.append({"name": n, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)})
+    storages = []
+    for i, p in enumerate(regs):
+        if layout[i] != i:
+            continue
+        key = f"param_{len(storages)}"
+        v = p.storage.read_host()
+        arrays[_PARAMS][key] = v
+        storages.append({"key": key, "registration": i, "digest": _digest(v)})
+
+    opt_meta = None
+    if optimizer is not None:
+        _check_opt_current(optimizer)
+        slot_regs = _opt_slot_registrations(optimizer, regs, names, "saved")
+        treedef, leaves, paths = _opt_leaves(optimizer)
+        leaf_meta = []
+        for j, (leaf, kp) in enumerate(zip(leaves, paths)):
+            a = leaf if isinstance(leaf, (jax.Array, np.ndarray)) else np.asarray(leaf)
+            _check_not_rational(a.dtype, f"optimizer state leaf {j}")
+            key = f"opt_{j}"
+            arrays[_OPT][key] = a
+            leaf_meta.append(
+                {"key": key, "path": kp, "shape": list(np.shape(a)), "dtype": _dtype_name(a.dtype), "digest": _digest(a)}
+            )
+        opt_meta = {
+            "treedef": str(treedef),
+            "leaves": leaf_meta,
+            "alias_layout": optimizer.alias_layout,
+            "slot_registrations": slot_regs,
+        }
+
+    sess_meta = None
+    if session is not None:
+        sess_meta = {"seed": int(session.seed), "rng_counter": int(session.rng_counter)}
+
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "jax_version": jax.__version__,
+        "keyed": keyed,
+        "registrations": registrations,
+        "alias_layout": layout,
+        "storages": storages,
+        "optimizer": opt_meta,
+        "session": sess_meta,
+    }
+
+    ocp = _ocp()
+    items: dict[str, Any] = {_META: ocp.args.JsonSave(meta)}
+    for item, tree in arrays.items():
+        if tree:
+            items[item] = ocp.args.StandardSave(tree)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    replacing = os.path.lexists(path)
+    target = f"{path}.tapeflow-tmp-{uuid.uuid4().hex[:12]}" if replacing else path
+    try:
+        with _checkpointer() as ck:
+            ck.save(target, args=ocp.args.Composite(**items))
+    except Exception as e:
+        if replacing:
+            shutil.rmtree(target, ignore_errors=True)
+        raise CheckpointError(f"saving the checkpoint to {path} failed ({_short(e)}); no checkpoint was written (an existing one is left as it was)") from e
+    if replacing:
+        old = f"{path}.tapeflow-old-{uuid.uuid4().hex[:12]}"
+        os.rename(path, old)
+        try:
+            os.rename(target, path)
+        except BaseException:
+            os.rename(old, path)
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def _bad_meta(path: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint at {path} is corrupted or incomplete: its metadata {what}; "
+        "re-save it, or restore from an intact copy"
+    )
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}: the path does not exist; check the path (save writes a directory)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path}: it is not a directory; tfl.save writes a checkpoint directory")
+    if not os.path.isdir(os.path.join(path, _META)):
+        raise CheckpointError(
+            f"checkpoint at {path} is corrupted or incomplete: the '{_META}' item is missing "
+            "(not a tapeflow checkpoint, or an interrupted copy); re-save it or restore from an intact copy"
+        )
+    ocp = _ocp()
+    try:
+        with _QuietUnraisable(), _checkpointer() as ck:
+            meta = ck.restore(path, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+    except Exception as e:
+        raise _bad_meta(path, f"could not be read ({_short(e)})") from e
+    _validate_meta(path, meta)
+    return meta
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate_meta(path: str, meta: Any) -> None:
+    """Schema check of the JSON metadata, so later code can index it freely."""
+    if not isinstance(meta, dict):
+        raise _bad_meta(path, f"is a {type(meta).__name__}, not an object")
+    if meta.get("format") != FORMAT:
+        raise _bad_meta(path, f"has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint at {path} has format version {meta.get('version')!r}; this tapeflow reads version {VERSION}. "
+            "Use the tapeflow version that wrote it"
+        )
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise _bad_meta(path, what)
+
+    def spec_ok(d: Any) -> bool:
+        if not (isinstance(d, dict) and isinstance(d.get("shape"), list) and all(_is_int(s) and s >= 0 for s in d["shape"])):
+            return False
+        try:
+            np.dtype(d.get("dtype"))
+        except TypeError:
+            return False
+        return True
+
+    regs = meta.get("registrations")
+    need(isinstance(regs, list), "has no 'registrations' list")
+    n = len(regs)
+    for i, r in enumerate(regs):
+        need(spec_ok(r), f"entry for registration {i} is malformed")
+        need(r.get("name") is None or isinstance(r.get("name"), str), f"name of registration {i} is malformed")
+    layout = meta.get("alias_layout")
+    need(isinstance(layout, list) and len(layout) == n, "alias layout is missing or has the wrong length")
+    need(all(_is_int(c) and 0 <= c <= i and layout[c] == c for i, c in enumerate(layout)), "alias layout is malformed")
+    need(isinstance(meta.get("keyed"), bool), "has no 'keyed' flag")
+    storages = meta.get("storages")
+    need(isinstance(storages, list), "has no 'storages' list")
+    firsts = [i for i, c in enumerate(layout) if c == i]
+    need(
+        len(storages) == len(firsts)
+        and all(
+            isinstance(s, dict) and s.get("registration") == i and isinstance(s.get("key"), str) and isinstance(s.get("digest"), str)
+            for s, i in zip(storages, firsts)
+        ),
+        "storage table does not match its alias layout",
+    )
+    opt = meta.get("optimizer")
+    if opt is not None:
+        need(isinstance(opt, dict) and isinstance(opt.get("treedef"), str), "optimizer entry is malformed")
+        leaves = opt.get("leaves")
+        need(isinstance(leaves, list), "optimizer leaf table is missing")
+        for j, lf in enumerate(leaves):
+            need(
+                spec_ok(lf) and all(isinstance(lf.get(f), str) for f in ("key", "path", "digest")),
+                f"optimizer leaf {j} entry is malformed",
+            )
+        ol = opt.get("alias_layout")
+        need(isinstance(ol, list) and all(_is_int(c) for c in ol), "optimizer alias layout is malformed")
+        sr = opt.get("slot_registrations")
+        need(isinstance(sr, list) and all(_is_int(c) and 0 <= c < n for c in sr), "optimizer slot table is malformed")
+    sess = meta.get("session")
+    if sess is not None:
+        need(
+            isinstance(sess, dict) and _is_int(sess.get("seed")) and _is_int(sess.get("rng_counter")) and sess["rng_counter"] >= 0,
+            "session entry is malformed",
+        )
+
+
+def _layout_desc(c: int | None, i: int, names: list[str | None]) -> str:
+    if c is None or c == i:
+        return "its own storage"
+    return f"tied to {_reg_label(c, names)}"
+
+
+def _check_params(path: str, meta: dict[str, Any], names: list[str | None], regs: list[Param], keyed: bool) -> list[int]:
+    saved = meta["registrations"]
+    saved_names = [r.get("name") for r in saved]
+    if len(saved) != len(regs):
+        raise CheckpointError(
+            f"checkpoint at {path} has {len(saved)} parameter registrations, the destination has {len(regs)}; "
+            "construct the destination exactly as the saved model (same parameters, ties and order)"
+        )
+    layout = canonical_indices([p.storage for p in regs])
+    saved_layout = meta["alias_layout"]
+    for i, (r, p) in enumerate(zip(saved, regs)):
+        label = _reg_label(i, names)
+        _check_not_rational(p.dtype, f"destination {label}")
+        if keyed and meta["keyed"] and r.get("name") != names[i]:
+            raise CheckpointError(
+                f"{label} is named {names[i]!r} in the destination but {r.get('name')!r} in the checkpoint at {path}; "
+                "construct the destination with the same parameter names and order as the saved model"
+            )
+        if layout[i] != saved_layout[i]:
+            raise CheckpointError(
+                f"alias layout differs at {label}: in the checkpoint at {path} it is "
+                f"{_layout_desc(saved_layout[i], i, saved_names)}, in the destination it is "
+                f"{_layout_desc(layout[i], i, names)} (checkpoint layout {saved_layout}, destination {layout}); "
+                "tie the destination's parameters (tfl.tie) exactly as in the saved model"
+            )
+        if tuple(r["shape"]) != p.shape:
+            raise CheckpointError(
+                f"shape differs at {label}: checkpoint {tuple(r['shape'])}, destination {p.shape}; "
+                "construct the destination with the saved model's shapes"
+            )
+        if np.dtype(r["dtype"]) != p.dtype:
+            raise CheckpointError(
+                f"dtype differs at {label}: checkpoint {r['dtype']}, destination {p.dtype.name}; "
+                "construct the destination with the saved dtypes (restore never casts)"
+            )
+    return layout
+
+
+def _check_optimizer(path: str, meta: dict[str, Any], optimizer: Any, regs: list[Param], names: list[str | None]) -> tuple[Any, list[Any]]:
+    om = meta["optimizer"]
+    if om is None:
+        raise CheckpointError(
+            f"checkpoint at {path} holds no optimizer state, but an optimizer was given; "
+            "pass optimizer=None (and start it fresh), or restore a checkpoint saved with its optimizer"
+        )
+    _check_opt_current(optimizer)
+    ol, sl = om["alias_layout"], optimizer.alias_layout
+    if ol != sl:
+        if len(ol) != len(sl):
+            raise CheckpointError(
+                f"the optimizer covers {len(sl)} registrations, the one in the checkpoint at {path} covered {len(ol)}; "
+                "build the optimizer over the same parameters as the saved one"
+            )
+        k = next(i for i, (a, b) in enumerate(zip(ol, sl)) if a != b)
+        raise CheckpointError(
+            f"the optimizer's alias layout differs at its registration {k}: checkpoint {ol}, destination {sl}; "
+            "build the optimizer over parameters tied exactly as in the saved model"
+        )
+    slot_regs = _opt_slot_registrations(optimizer, regs, names, "restored")
+    if slot_regs != om["slot_registrations"]:
+        k = next((i for i, (a, b) in enumerate(zip(slot_regs, om["slot_registrations"])) if a != b), min(len(slot_regs), len(om["slot_registrations"])))
+        raise CheckpointError(
+            f"the optimizer's slot {k} maps to a different parameter: checkpoint slots update registrations "
+            f"{om['slot_registrations']}, destination slots update {slot_regs}; build the optimizer over the "
+            "parameters in the same order as the saved one"
+        )
+    treedef, leaves, paths = _opt_leaves(optimizer)
+    saved_leaves = om["leaves"]
+    fix = "build the optimizer with the same optax transformation (and parameter container) as the saved one"
+    for j, (lm, leaf, kp) in enumerate(zip(saved_leaves, leaves, paths)):
+        shape = tuple(np.shape(leaf))
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        if lm["path"] != kp or tuple(lm["shape"]) != shape or np.dtype(lm["dtype"]) != dtype:
+            raise CheckpointError(
+                f"optimizer state structure differs from the checkpoint at {path} at state leaf {j}: checkpoint has "
+                f"{lm['path'] or '<root>'} {_spec_str(lm['shape'], lm['dtype'])}, destination has {kp or '<root>'} "
+                f"{_spec_str(shape, dtype)}; {fix}"
+            )
+    if len(saved_leaves) != len(leaves):
+        j = min(len(saved_leaves), len(leaves))
+        extra = f"checkpoint leaf {saved_leaves[j]['path']}" if j < len(saved_leaves) else f"destination leaf {paths[j]}"
+        raise CheckpointError(
+            f"optimizer state structure differs from the checkpoint at {path}: it has {len(saved_leaves)} state leaves, "
+            f"the destination has {len(leaves)} (first unmatched: {extra}); {fix}"
+        )
+    # The treedef string also tells apart containers and state classes with equal leaf paths
+    # (e.g. adam vs. adamw); its text is only comparable within one jax version.
+    a, b = om["treedef"], str(treedef)
+    if a != b and meta.get("jax_version") == jax.__version__:
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        lo, hi = max(0, at - 40), at + 60
+        pre = "..." if lo else ""
+        raise CheckpointError(
+            f"optimizer state structure differs from the checkpoint at {path} (state treedef, first difference at "
+            f"character {at}: checkpoint {pre}{a[lo:hi]}{'...' if hi < len(a) else ''}, destination "
+            f"{pre}{b[lo:hi]}{'...' if hi < len(b) else ''}); {fix}"
+        )
+    return treedef, leaves
+
+
+def _target_sharding(current: Any) -> Any:
+    dev = _device_of(current)
+    return jax.sharding.SingleDeviceSharding(dev if dev is not None else jax.devices()[0])
+
+
+def _read_arrays(path: str, wanted: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Restore the named arrays of each item and verify shape, dtype and digest of each.
+
+    ``wanted[item][key] = (shape, dtype, digest, current value (for placement), description)``.
+    """
+    wanted = {item: w for item, w in wanted.items() if w}
+    if not wanted:
+        return {}
+    for item in wanted:
+        if not os.path.isdir(os.path.join(path, item)):
+            raise CheckpointError(
+                f"checkpoint at {path} is corrupted or incomplete: its '{item}' item is missing; "
+                "re-save it or restore from an intact copy"
+            )
+    ocp = _ocp()
+    args = {
+        item: ocp.args.StandardRestore(
+            {k: jax.ShapeDtypeStruct(spec[0], spec[1], sharding=_target_sharding(spec[3])) for k, spec in w.items()}
+        )
+        for item, w in wanted.items()
+    }
+    try:
+        with _QuietUnraisable(), _checkpointer() as ck:
+            restored = ck.restore(path, args=ocp.args.Composite(**args))
+            got_items = {item: restored[item] for item in wanted}
+    except Exception as e:
+        msg = _short(e)
+        raise CheckpointError(
+            f"checkpoint at {path} is corrupted or incomplete: its array data could not be read "
+            f"({msg}); re-save it or restore from an intact copy"
+        ) from e
+    out: dict[str, Any] = {}
+    for item, w in wanted.items():
+        got = got_items[item]
+        for k, (shape, dtype, digest, _, what) in w.items():
+            v = got.get(k) if isinstance(got, Mapping) else None
+            if v is None:
+                raise CheckpointError(
+                    f"checkpoint at {path} is corrupted or incomplete: the array for {what} is missing; "
+                    "re-save it or restore from an intact copy"
+                )
+            if tuple(np.shape(v)) != tuple(shape) or np.dtype(v.dtype) != dtype:
+                raise CheckpointError(
+                    f"checkpoint at {path} is corrupted: the array for {what} reads back as "
+                    f"{_spec_str(np.shape(v), v.dtype)}, its metadata says {_spec_str(shape, dtype)}; "
+                    "re-save it or restore from an intact copy"
+                )
+            if _digest(v) != digest:
+                raise CheckpointError(
+                    f"checkpoint at {path} is corrupted: the data of {what} does not match the digest recorded at "
+                    "save time; re-save it or restore from an intact copy"
+                )
+            out[k] = v
+    return out
+
+
+def restore(path: Any, params_or_module: Any, optimizer: Any = None, session: Any = None) -> None:
+    """Load a checkpoint written by :func:`save` into existing parameters (and optimizer, session).
+
+    The destination must be built like the saved model: same registrations in
+    the same order, the same ties (alias layout, compared slot by slot), shapes
+    and dtypes; an optimizer must have the same optax state structure and alias
+    layout. Everything, including every array's integrity, is checked before
+    anything is written; on any difference :class:`CheckpointError` names the
+    first one and nothing changes. Then each parameter storage is written once,
+    ``optimizer.state`` is replaced and the session's seed and RNG counter are set.
+    """
+    path = os.path.abspath(os.fspath(path))
+    names, regs, keyed = _registrations(params_or_module)
+    meta = _read_meta(path)
+    _check_params(path, meta, names, regs, keyed)
+    wanted: dict[str, dict[str, Any]] = {_PARAMS: {}, _OPT: {}}
+    for s in meta["storages"]:
+        i = s["registration"]
+        p = regs[i]
+        wanted[_PARAMS][s["key"]] = (p.shape, p.dtype, s["digest"], p.storage.read(None), f"parameter {_reg_label(i, names)}")
+    opt_treedef = None
+    if optimizer is not None:
+        opt_treedef, leaves = _check_optimizer(path, meta, optimizer, regs, names)
+        for j, (lm, leaf) in enumerate(zip(meta["optimizer"]["leaves"], leaves)):
+            wanted[_OPT][lm["key"]] = (tuple(lm["shape"]), np.dtype(lm["dtype"]), lm["digest"], leaf, f"optimizer state leaf {j}")
+    if session is not None and meta["session"] is None:
+        raise CheckpointError(
+            f"checkpoint at {path} holds no session state, but a session was given; pass session=None"
+        )
+    got = _read_arrays(path, wanted)
+
+    # -- everything checked: install ---------------------------------------------
+    for s in meta["storages"]:
+        regs[s["registration"]].storage.write(got[s["key"]])
+    if optimizer is not None:
+        new_leaves = [got[lm["key"]] for lm in meta["optimizer"]["leaves"]]
+        optimizer.state = jax.tree_util.tree_unflatten(opt_treedef, new_leaves)
+    if session is not None:
+        sm = meta["session"]
+        session.set_rng_state(seed=int(sm["seed"]), counter=int(sm["rng_counter"]))
