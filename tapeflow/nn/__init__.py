@@ -1,0 +1,44 @@
+"""Neural-network modules for tapeflow: :class:`Module` and common layers.
+
+Modules discover their :class:`~tapeflow.Param` s from attributes in
+definition order, list each storage once (tied and shared parameters
+included), and only record ops, so they run eagerly in a
+:class:`~tapeflow.Session` and compiled in :func:`~tapeflow.train_step`.
+
+>>> import jax, jax.numpy as jnp, optax, tapeflow as tfl
+>>> emb = tfl.nn.Embedding(16, 8, key=jax.random.key(0))
+>>> model = tfl.nn.Sequential(emb, tfl.nn.LayerNorm(8), emb.tied_output())
+>>> [n for n, _ in model.named_parameters()]
+['layers.0.weight', 'layers.1.weight', 'layers.1.bias']
+>>> len(model.parameter_records())
+4
+>>> opt = tfl.Optimizer(optax.adam(1e-2), model)
+>>> step = tfl.train_step(lambda s, ids: tfl.cross_entropy(model(ids), ids), opt)
+>>> loss = step(jnp.array([1, 2, 3]))
+"""
+
+from ._layers import (
+    MLP,
+    Conv2d,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    MultiHeadAttention,
+    Sequential,
+    TiedLinear,
+)
+from ._module import Module
+
+__all__ = [
+    "Module",
+    "Linear",
+    "Embedding",
+    "TiedLinear",
+    "LayerNorm",
+    "Dropout",
+    "Conv2d",
+    "MultiHeadAttention",
+    "Sequential",
+    "MLP",
+]

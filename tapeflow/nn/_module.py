@@ -1,0 +1,171 @@
+"""The :class:`Module` base class: parameter discovery by attribute order.
+
+A module is a plain Python object. Every :class:`~tapeflow.Param` and every
+sub-:class:`Module` stored as an attribute (directly, or inside a list, tuple
+or dict, to any depth) is discovered in attribute insertion order, so a
+module's parameters are listed in the order its ``__init__`` defined them.
+No registration call and no ``super().__init__()`` are needed.
+
+Storage identity decides aliasing: a sub-module used in two places, or a
+:func:`~tapeflow.tie` d record, appears once in :meth:`Module.parameters`
+(under its first path in :meth:`Module.named_parameters`) and once per
+registration in :meth:`Module.parameter_records`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .._params import Param, canonical_indices
+
+__all__ = ["Module"]
+
+
+def _spec(p: Param) -> str:
+    shape = ", ".join(map(str, p.shape))
+    return f"{p.dtype}[{shape}]"
+
+
+def _items(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """``(path, obj)`` for each Param / Module inside ``obj`` (containers flattened)."""
+    if isinstance(obj, (Param, Module)):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _items(v, f"{prefix}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _items(v, f"{prefix}.{i}")
+
+
+class Module:
+    """Base class of tapeflow layers: holds Params and sub-Modules as attributes.
+
+    Subclasses assign :class:`~tapeflow.Param` s and sub-modules in
+    ``__init__`` and implement ``forward``; calling the module calls
+    ``forward``. Forward code only records ops, so the same module runs
+    eagerly inside ``with tfl.Session()`` and inside :func:`tfl.value_and_grad`
+    / :func:`tfl.train_step` (pass :meth:`param_dict` or the module itself to
+    :class:`tfl.Optimizer`).
+
+    >>> import jax, jax.numpy as jnp, tapeflow as tfl
+    >>> class Affine(tfl.nn.Module):
+    ...     def __init__(self):
+    ...         self.w = tfl.Param(jnp.ones((2, 3)), name="w")
+    ...         self.b = tfl.Param(jnp.zeros(3), name="b")
+    ...     def forward(self, x):
+    ...         return x @ self.w + self.b
+    >>> m = Affine()
+    >>> [n for n, _ in m.named_parameters()]
+    ['w', 'b']
+    >>> with tfl.Session() as s:
+    ...     m(s.input(jnp.ones((1, 2)))).value.tolist()
+    [[2.0, 2.0, 2.0]]
+    """
+
+    # -- forward -----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    # -- discovery ---------------------------------------------------------------
+    def _direct(self) -> Iterator[tuple[str, Any]]:
+        """Direct Params and sub-Modules, ``(relative path, obj)``, in attribute order."""
+        for name, value in list(vars(self).items()):
+            yield from _items(value, name)
+
+    def _walk(self, prefix: str, path: tuple[int, ...]) -> Iterator[tuple[str, Param]]:
+        path = path + (id(self),)
+        for name, obj in self._direct():
+            full = f"{prefix}{name}"
+            if isinstance(obj, Param):
+                yield full, obj
+            elif id(obj) not in path:  # a module containing itself is not walked again
+                yield from obj._walk(full + ".", path)
+
+    def parameter_records(self) -> list[tuple[str, Param]]:
+        """Every registration ``(path, Param)`` in definition order, tied and shared ones included.
+
+        A sub-module stored in two places is listed under both paths; records
+        that share a storage are aliases (see :func:`tfl.canonical_indices`).
+        """
+        return list(self._walk("", ()))
+
+    def named_parameters(self) -> list[tuple[str, Param]]:
+        """``(path, Param)`` once per storage, named by its first path, in definition order."""
+        recs = self.parameter_records()
+        canon = canonical_indices([p.storage for _, p in recs])
+        return [recs[i] for i, c in enumerate(canon) if c == i]
+
+    def parameters(self) -> list[Param]:
+        """Each parameter storage once (its first record), in definition order."""
+        return [p for _, p in self.named_parameters()]
+
+    def param_dict(self) -> dict[str, Param]:
+        """``dict(named_parameters())``: a params pytree for :func:`tfl.value_and_grad`."""
+        return dict(self.named_parameters())
+
+    def named_modules(self, prefix: str = "") -> list[tuple[str, Module]]:
+        """``(path, module)`` for this module and each sub-module once (first path), in definition order."""
+        out: list[tuple[str, Module]] = []
+        seen: set[int] = set()
+
+        def visit(m: Module, name: str) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            out.append((name, m))
+            for n, obj in m._direct():
+                if isinstance(obj, Module):
+                    visit(obj, f"{name}.{n}" if name else n)
+
+        visit(self, prefix)
+        return out
+
+    def modules(self) -> list[Module]:
+        """This module and each sub-module once, in definition order."""
+        return [m for _, m in self.named_modules()]
+
+    def num_parameters(self) -> int:
+        """Number of scalar entries over the distinct storages."""
+        total = 0
+        for p in self.parameters():
+            n = 1
+            for d in p.shape:
+                n *= d
+            total += n
+        return total
+
+    # -- repr --------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        """The text inside ``ClassName(...)`` on the first line of the repr."""
+        return ""
+
+    def _repr_children(self) -> list[tuple[str, Any]]:
+        return list(self._direct())
+
+    def _repr_lines(self, path: str, seen: dict[int, str]) -> list[str]:
+        lines = [f"{type(self).__name__}({self.extra_repr()})"]
+        for name, obj in self._repr_children():
+            full = f"{path}.{name}" if path else name
+            if isinstance(obj, Param):
+                flags = "" if obj.trainable else ", frozen"
+                lines.append(f"  ({name}): {_spec(obj)}{flags}  storage=#{obj.storage.uid}")
+            elif isinstance(obj, Module):
+                if id(obj) in seen:
+                    first = seen[id(obj)] or "<root>"
+                    lines.append(f"  ({name}): {type(obj).__name__}(...)  # same module as {first}")
+                    continue
+                seen[id(obj)] = full
+                sub = obj._repr_lines(full, seen)
+                lines.append(f"  ({name}): {sub[0]}")
+                lines.extend("  " + ln for ln in sub[1:])
+            else:
+                lines.append(f"  ({name}): {getattr(obj, '__name__', None) or repr(obj)}")
+        return lines
+
+    def __repr__(self) -> str:
+        return "\n".join(self._repr_lines("", {id(self): ""}))
