@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ._registry import is_float
 from ._result import TapeError
 from ._session import Tensor, _session_of, apply
 
@@ -302,6 +303,9 @@ def dropout(x: Tensor, rate: float, training: bool | None = None) -> Tensor:
         training = s.grad_enabled
     if not training or rate == 0.0:
         return x if isinstance(x, Tensor) else apply("stop_gradient", x)
+    if not is_float(np.dtype(x.dtype)):
+        # checked before drawing: a rejected call must not advance the RNG counter
+        raise TapeError(f"dropout: operand has dtype {x.dtype}, expected a floating dtype; cast it first with tfl.astype")
     keep = 1.0 - float(rate)
     shape = x.shape
     mask = s.bernoulli_mask(shape, keep)

@@ -1,0 +1,98 @@
+"""Device placement on a non-default device, in a fresh interpreter with four host (CPU) devices.
+
+``--xla_force_host_platform_device_count`` only takes effect if it is set before
+JAX initializes, so the checks run in a subprocess whose environment has it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import jax, jax.numpy as jnp, numpy as np
+    import tapeflow as tfl
+
+    cpus = jax.devices("cpu")
+    assert len(cpus) == 4, cpus
+    dev = cpus[2]
+    on = lambda a: a.devices() == {dev}
+
+    w_np = np.arange(12.0, dtype=np.float32).reshape(3, 4) / 10
+    w = tfl.Param(jnp.asarray(w_np), name="w")
+    b = tfl.Param(jnp.zeros(4, jnp.float32), name="b")
+    host_before = w.value
+    assert not on(host_before)  # the parameter lives on the default device before any use
+
+    s = tfl.Session(device=dev)
+    assert s.device == dev
+    x = s.input(np.ones((2, 3), np.float32), requires_grad=True)
+    u1 = s.use(w)
+    u2 = s.use(w)
+    # the device mirror is uploaded once and reused by later uses
+    assert u1.value is u2.value, "second use uploaded the parameter again"
+    assert w.storage.mirror is u1.value
+    h = tfl.relu(x @ w + b)          # a Param operand inside an op: the same mirror again
+    w_leaf = s.tape[s.tape[h.id].parents[0]].parents[0]
+    w_leaf = s.tape[w_leaf].parents[1]
+    assert s.tape[w_leaf].value is u1.value
+    y = (h * 2.0 - 1.0).sum()
+    r = s.rand_uniform((3,))
+    n = s.normal((2, 2))
+    m = s.bernoulli_mask((5,), 0.5)
+    c = s.const(np.ones(2, np.float32))
+    d = s.detach(h)
+    for node in s.tape:
+        assert on(node.value), (node, node.value.devices())
+    for t in (x, u1, h, y, r, n, m, c, d):
+        assert on(t.value), t
+    g = s.backward(y)
+    assert on(g[x]) and on(g[w]) and on(g[b])
+    # Param.value reads back correctly (and is not moved)
+    np.testing.assert_array_equal(np.asarray(w.value), w_np)
+    assert w.value is host_before
+    # a write replaces the host value and drops the mirror; the next use uploads once more
+    w.value = jnp.asarray(w_np * 2)
+    s.reset()
+    v1 = s.use(w)
+    v2 = s.use(w)
+    assert on(v1.value) and v1.value is v2.value
+    np.testing.assert_array_equal(np.asarray(v1.value), w_np * 2)
+    np.testing.assert_array_equal(np.asarray(w.value), w_np * 2)
+    # a session on another device gets its own mirror; the first one is untouched
+    s0 = tfl.Session(device=cpus[1])
+    z = s0.use(w)
+    assert z.value.devices() == {cpus[1]}
+    assert on(v1.value)
+    # by index and by string
+    assert tfl.Session(device="cpu:3").device == cpus[3]
+    assert tfl.Session(device="cpu").device == cpus[0]
+    for bad in ("cpu:4", "cpu:-1", "gpu", "cuda", "gpu:1", "nonsense", "cpu:two"):
+        try:
+            tfl.Session(device=bad)
+        except ValueError as e:
+            assert str(e), bad
+        else:
+            raise AssertionError(f"Session(device={bad!r}) did not raise")
+    print("DEVICES-OK")
+    """
+)
+
+
+def test_non_default_cpu_device_in_subprocess():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_ENABLE_X64", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "DEVICES-OK" in proc.stdout
