@@ -42,12 +42,13 @@ class TiedAutoencoderClassifier:
 
     def __init__(self, n_in: int, n_code: int, n_classes: int, key: Any) -> None:
         k1, k2 = jax.random.split(key)
-        self.W = tfl.Param(jax.random.normal(k1, (n_in, n_code)) * (1.0 / n_in) ** 0.5, name="W")
+        f32 = jnp.float32
+        self.W = tfl.Param(jax.random.normal(k1, (n_in, n_code), f32) * (1.0 / n_in) ** 0.5, name="W")
         self.W_dec = tfl.tie(self.W, name="W_dec")  # same storage, second use
-        self.b_enc = tfl.Param(jnp.zeros(n_code), name="b_enc")
-        self.b_dec = tfl.Param(jnp.zeros(n_in), name="b_dec")
-        self.head = tfl.Param(jax.random.normal(k2, (n_code, n_classes)) * (1.0 / n_code) ** 0.5, name="head")
-        self.b_head = tfl.Param(jnp.zeros(n_classes), name="b_head")
+        self.b_enc = tfl.Param(jnp.zeros(n_code, f32), name="b_enc")
+        self.b_dec = tfl.Param(jnp.zeros(n_in, f32), name="b_dec")
+        self.head = tfl.Param(jax.random.normal(k2, (n_code, n_classes), f32) * (1.0 / n_code) ** 0.5, name="head")
+        self.b_head = tfl.Param(jnp.zeros(n_classes, f32), name="b_head")
 
     def records(self) -> list[tfl.Param]:
         return [self.W, self.W_dec, self.b_enc, self.b_dec, self.head, self.b_head]

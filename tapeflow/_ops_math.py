@@ -7,6 +7,7 @@ its VJP (``@<op>.defvjp``) and its check (``check=`` argument). Ops marked
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -236,9 +237,10 @@ _unary("gelu", lambda x: jax.nn.gelu(x, approximate=False), _gelu_deriv, "Elemen
 
 @op("relu", arity=1, exact=True, check=_float_operands)
 def relu(x: Any) -> Any:
-    """Elementwise ``max(x, 0)``; the gradient at 0 is 0."""
-    xp = xp_of(x)
-    return xp.where(x > 0, x, 0 * x)
+    """Elementwise ``max(x, 0)`` (NaN propagates, as in ``jax.nn.relu``); the gradient at 0 is 0."""
+    if xp_of(x) is np:  # exact rationals
+        return np.where(x > 0, x, Fraction(0))
+    return jnp.maximum(x, jnp.zeros((), x.dtype))
 
 
 @relu.defvjp
@@ -411,6 +413,8 @@ def matmul(x: Any, y: Any) -> Any:
 @matmul.defvjp
 def _matmul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
     xp = xp_of(g)
+    if x.ndim == 1 and y.ndim == 1:  # inner product: g is a scalar
+        return g * y, g * x
     x2 = x if x.ndim > 1 else x[None, :]
     y2 = y if y.ndim > 1 else y[:, None]
     g2 = g

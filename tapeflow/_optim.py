@@ -77,6 +77,13 @@ class Optimizer:
     skips a parameter whose ``.grad`` is None: its value and its per-parameter
     optimizer slots stay exactly as they were (global counters such as Adam's step
     count advance with every step).
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> emb = tfl.Param(jnp.ones((4, 2)), name="emb")
+    >>> out = tfl.tie(emb, name="out")               # tied: same storage
+    >>> opt = tfl.Optimizer(optax.adam(1e-3), {"emb": emb, "out": out})
+    >>> len(opt.params), list(opt.state[0].mu)       # one slot, keyed by the first name
+    (1, ['emb'])
     """
 
     def __init__(self, tx: optax.GradientTransformation, params: Any, *, check_finite: bool = False) -> None:

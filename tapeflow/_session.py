@@ -552,6 +552,8 @@ class Session:
     show_backend:
         Print the kernel/platform that runs each op the first time it is used.
 
+    Examples
+    --------
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> s = tfl.Session(seed=0)
     >>> x = s.input(jnp.ones(3), requires_grad=True)

@@ -71,6 +71,9 @@ class Node:
         return f"Node({what}, {R.fmt_spec(self.spec)}, requires_grad={self.requires_grad})"
 
 
+_new_object = object.__new__
+
+
 class _Buffer:
     """A node list shared by consecutive tape values; forks copy references."""
 
@@ -87,6 +90,16 @@ class Tape:
     Build one with :meth:`Tape.empty`, then thread it through :func:`leaf` and
     :func:`record`. ``len(tape)`` is the node count, ``tape[i]`` the i-th
     :class:`Node`. A tape can be passed into and returned from ``jax.jit``.
+    In Jupyter a tape displays as an HTML table of its nodes (``_repr_html_``);
+    :meth:`to_dot` gives Graphviz text.
+
+    >>> import jax, jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.ones(3), requires_grad=True)
+    >>> t, y = record(t, "exp", (x,))
+    >>> len(t), t[1].op, t[1].parents
+    (2, 'exp', (0,))
+    >>> len(jax.tree_util.tree_leaves(t))   # node values are the pytree leaves
+    2
     """
 
     __slots__ = ("_buf", "_n", "device", "__weakref__")
@@ -137,11 +150,16 @@ class Tape:
         buf = self._buf
         n = self._n
         with buf.lock:
-            if len(buf.nodes) == n:
-                buf.nodes.append(node)
+            nodes = buf.nodes
+            if len(nodes) == n:
+                nodes.append(node)
             else:  # someone already continued this tape: fork
-                buf = _Buffer(buf.nodes[:n] + [node])
-        return Tape._make(buf, n + 1, self.device)
+                buf = _Buffer(nodes[:n] + [node])
+        t = _new_object(Tape)  # Tape._make, inlined (this is on the per-op hot path)
+        t._buf = buf
+        t._n = n + 1
+        t.device = self.device
+        return t
 
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"
@@ -165,6 +183,32 @@ class Tape:
                 lines.append(f"  n{p} -> n{i};")
         lines.append("}")
         return "\n".join(lines)
+
+    def _repr_html_(self, limit: int = 20) -> str:
+        """Rich display in Jupyter: an HTML table of the nodes (the first and last ``limit`` of a long tape)."""
+        from html import escape
+
+        n = self._n
+        ids = list(range(n)) if n <= 2 * limit else list(range(limit)) + [-1] + list(range(n - limit, n))
+        dev = "" if self.device is None else f", device={self.device}"
+        rows = [
+            f"<table><caption>Tape: {n} node{'' if n == 1 else 's'}{escape(dev)}</caption>",
+            "<tr><th>id</th><th>op</th><th>parents</th><th>shape/dtype</th><th>requires_grad</th></tr>",
+        ]
+        nodes = self._buf.nodes
+        for i in ids:
+            if i < 0:
+                rows.append(f'<tr><td colspan="5">&hellip; {n - 2 * limit} more &hellip;</td></tr>')
+                continue
+            nd = nodes[i]
+            op = "leaf" if nd.op is None else nd.op
+            parents = ", ".join(map(str, nd.parents))
+            rows.append(
+                f"<tr><td>{i}</td><td>{escape(op)}</td><td>{parents}</td>"
+                f"<td>{escape(R.fmt_spec(nd.spec))}</td><td>{nd.requires_grad}</td></tr>"
+            )
+        rows.append("</table>")
+        return "\n".join(rows)
 
 
 def _flatten(t: Tape) -> tuple[list[Any], tuple[Any, ...]]:
@@ -262,16 +306,19 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
         ids = tuple(inputs)
     except TypeError:
         return tape, Err(f"{op}: inputs must be a sequence of node ids, got {type(inputs).__name__}")
+    plain = True  # every id is already a Python int (the common case: no conversion pass)
     for i in ids:
         if type(i) is not int or not 0 <= i < n:
             if isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= int(i) < n:
+                plain = False
                 continue
             return tape, Err(
                 f"{op}: operand {i!r} is not a node id of this tape (valid ids are 0..{n - 1})"
                 if n
                 else f"{op}: operand {i!r} is not a node id: the tape is empty"
             )
-    ids = tuple(int(i) for i in ids)
+    if not plain:
+        ids = tuple(int(i) for i in ids)
     ins = [nodes[i] for i in ids]
     specs = tuple([(nd.shape, nd.dtype) for nd in ins])
     if attrs:
@@ -296,7 +343,12 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
         out = entry.fn(*[nd.value for nd in ins])
     except Exception as e:  # a kernel failure (device, numerics of exact arrays, ...)
         return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
-    rg = entry.differentiable and any(ins[i].requires_grad for i in entry.diff)
+    rg = False
+    if entry.differentiable:
+        for i in entry.diff:
+            if ins[i].requires_grad:
+                rg = True
+                break
     if entry.dtype is R.OBJECT:
         shape, dtype = tuple(np.shape(out)), R.OBJECT
         if not isinstance(out, np.ndarray):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
+import inspect
 import pkgutil
 import re
 import shutil
@@ -11,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import tapeflow as tfl
@@ -25,6 +28,11 @@ def _blocks(path: Path) -> list[str]:
 
 def _run_blocks(path: Path) -> None:
     ns: dict[str, object] = {"__name__": f"doc_{path.stem}"}
+    with jax.enable_x64(False):  # what a user gets by default (the suite's conftest turns x64 on)
+        _exec_blocks(path, ns)
+
+
+def _exec_blocks(path: Path, ns: dict[str, object]) -> None:
     for i, code in enumerate(_blocks(path)):
         try:
             exec(compile(code, f"{path.name}[block {i}]", "exec"), ns)
@@ -61,7 +69,8 @@ def _modules() -> list[str]:
 @pytest.mark.parametrize("name", _modules())
 def test_docstring_examples(name: str) -> None:
     mod = importlib.import_module(name)
-    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    with jax.enable_x64(False):  # docstring examples assume JAX's default float32
+        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert res.failed == 0, f"{res.failed} docstring example(s) failed in {name}"
 
 
@@ -69,7 +78,7 @@ def test_public_names_have_docstrings_with_examples() -> None:
     missing = []
     for name in tfl.__all__:
         obj = getattr(tfl, name)
-        if callable(obj) and not (getattr(obj, "__doc__", None) or "").strip():
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and not (obj.__doc__ or "").strip():
             missing.append(name)
     assert not missing, f"public names without a docstring: {missing}"
     for name in ("Tape", "leaf", "record", "backward", "Session", "Param", "tie", "canonical_indices",
@@ -81,6 +90,11 @@ def test_every_registered_op_is_documented() -> None:
     text = (ROOT / "docs" / "ops.md").read_text()
     undocumented = [op for op in tfl.ops() if f"`{op}`" not in text]
     assert not undocumented, f"ops missing from docs/ops.md: {undocumented}"
+    spec = importlib.util.spec_from_file_location("gen_ops", ROOT / "docs" / "_ext" / "gen_ops.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert text == gen.render(), "docs/ops.md is out of date: run python docs/_ext/gen_ops.py"
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
