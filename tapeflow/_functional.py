@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _registry as R
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._session import Session, Tensor, group_parameter_leaves, sum_in_leaf_order
@@ -89,11 +90,17 @@ def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> list[An
     return out
 
 
+def _leaf_path(params: Any, i: int) -> str:
+    """``['name'][0]``-style path of leaf ``i`` of ``params`` (Params are leaves), for error messages."""
+    path = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param)[0][i][0]
+    return jax.tree_util.keystr(path)
+
+
 def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
     """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
 
     ``params`` is any pytree whose leaves are :class:`Param` s (a dict by name, a
-    list, a module's ``parameters_dict()``); they give the values of their
+    list, a module's ``param_dict()``); they give the values of their
     storages for this call, whichever record of a storage ``loss_fn`` uses.
     ``grads`` has the same structure, with one array per Param: the cotangents of
     every use of that storage summed in recording order, exactly as
@@ -117,18 +124,19 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
 
     def f(params: Any, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_param)
-        for i, p in enumerate(leaves):
-            if not isinstance(p, Param):
-                raise TypeError(
-                    f"value_and_grad: params leaf {i} is {type(p).__name__}; pass a pytree of tfl.Param "
-                    "(e.g. {'w': w}) so each value is tied to its storage"
-                )
+        bad = [i for i, p in enumerate(leaves) if not isinstance(p, Param)]
+        if bad:
+            i = bad[0]
+            raise TypeError(
+                f"value_and_grad: params{_leaf_path(params, i)} is {type(leaves[i]).__name__}; pass a pytree of tfl.Param "
+                "(e.g. {'w': w}) so each value is tied to its storage"
+            )
         canon = canonical_indices([p.storage for p in leaves])
         for i, c in enumerate(canon):
             if c != i:
                 raise TapeError(
-                    f"value_and_grad: params leaves {c} and {i} ({leaves[c]!r}, {leaves[i]!r}) share one storage; "
-                    "pass each storage once (tied records resolve to it)"
+                    f"value_and_grad: params{_leaf_path(params, c)} and params{_leaf_path(params, i)} "
+                    f"({leaves[c]!r}, {leaves[i]!r}) share one storage; pass each storage once (tied records resolve to it)"
                 )
         storages = [p.storage for p in leaves]
         overrides = {id(p.storage): p.value for p in leaves}
@@ -156,8 +164,10 @@ class TrainStep:
         donate: bool = True,
         has_aux: bool = False,
         seed: int = 0,
+        static_argnames: tuple[str, ...] | list[str] | str = (),
     ) -> None:
         self.loss_fn = loss_fn
+        self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.optimizer = optimizer
         self.mesh = mesh
         self.data_axis = data_axis
@@ -167,22 +177,45 @@ class TrainStep:
         self.step_count = 0
         self.trace_count = 0
         self._param_specs = dict(param_specs or {})
-        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1) if donate else ())
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5,))
         self._shardings: Any = None
+        # per-call fast path: the storages and the records' storage identities, cached
+        self._slots_src: Any = None
+        self._storages: list[Storage] = []
+        self._record_storages: list[Storage] = []
+        # the step counter on the device (the program derives the RNG key from it and returns it + 1)
+        self._counter: Any = None
+        self._counter_step = -1
 
     # -- the pure step ---------------------------------------------------------
-    def _pure(self, values: list[Any], state: Any, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pure(
+        self,
+        values: list[Any],
+        state: Any,
+        counter: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        static_kwargs: tuple[tuple[str, Any], ...],
+    ) -> Any:
         self.trace_count += 1
+        kwargs = {**kwargs, **dict(static_kwargs)}
         opt = self.optimizer
         storages = opt.params
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = {id(st): v for st, v in zip(storages, values)}
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
         used_ids = {id(g.storage) for g in s.parameter_groups() if g.storage is not None}
         used = tuple(id(st) in used_ids for st in storages)
         grads = _storage_grads(s, loss, storages)
         new_vals, new_state = opt._update_fn(used)(grads, state, values)
+        for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
+            if tuple(v.shape) != st.shape or np.dtype(v.dtype) != st.dtype:
+                raise TapeError(
+                    f"train_step: the optimizer's update turns {opt._describe_slot(k)} into "
+                    f"{R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))}; a parameter keeps its shape and dtype"
+                )
         out_loss = s._tape[loss.id].value
-        return new_vals, new_state, out_loss, aux
+        return new_vals, new_state, counter + 1, out_loss, aux
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, k: int) -> Any:
@@ -226,20 +259,59 @@ class TrainStep:
         return values, state, args
 
     # -- call ------------------------------------------------------------------
+    def _storages_checked(self) -> list[Storage]:
+        """The optimizer's slot storages; re-derived (and the alias layout checked) only when they change."""
+        opt = self.optimizer
+        recs = [p.storage for p in opt._records]
+        if opt._slot_storages is not self._slots_src or recs != self._record_storages:
+            opt._check_layout()
+            self._slots_src = opt._slot_storages
+            self._storages = list(opt._slot_storages)
+            self._record_storages = recs
+        return self._storages
+
+    def _new_counter(self, values: list[Any]) -> Any:
+        """``step_count`` as a uint32 scalar placed like the program's other inputs (no retrace later)."""
+        c = np.asarray(self.step_count, dtype=np.uint32)
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            return jax.device_put(c, NamedSharding(self.mesh, PartitionSpec()))
+        committed = [v for v in values if isinstance(v, jax.Array) and getattr(v, "committed", False)]
+        return jax.device_put(c, committed[0].sharding) if committed else jnp.asarray(c)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         opt = self.optimizer
-        opt._check_layout()
-        storages = opt.params
-        values = [st.read(None) for st in storages]
+        storages = self._storages_checked()
+        # Storage.read(None) inlined: the current cell, wherever it lives
+        values = [st._host if st._host_current else st._mirror for st in storages]
         state = opt.state
         if self.mesh is not None:
             values, state, args = self._place(values, state, args)
-        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step_count)
-        new_vals, new_state, loss, aux = self._compiled(values, state, key, args, kwargs)
-        for st, v in zip(storages, new_vals):
-            st.write(v, on_device=True)
+        if self._counter_step != self.step_count:  # first call, or step_count set by the user
+            self._counter = self._new_counter(values)
+        static: tuple[tuple[str, Any], ...] = ()
+        if self.static_argnames and kwargs:
+            static = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
+            kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        new_vals, new_state, counter, loss, aux = self._compiled(values, state, self._counter, args, kwargs, static)
+        if self.mesh is None:
+            # Storage.write(v, on_device=True) without its per-call shape, dtype and device
+            # checks (the trace checked shape and dtype; a one-device program leaves each value
+            # on the device of the cell it read): the new value replaces the cell it came from
+            for st, v in zip(storages, new_vals):
+                if st._host_current:
+                    st._host = v
+                    st._mirror = None
+                else:
+                    st._mirror = v
+        else:
+            for st, v in zip(storages, new_vals):
+                st.write(v, on_device=True)
         opt.state = new_state
+        self._counter = counter
         self.step_count += 1
+        self._counter_step = self.step_count
         return (loss, aux) if self.has_aux else loss
 
     def cache_size(self) -> int:
@@ -257,6 +329,7 @@ def train_step(
     donate: bool = True,
     has_aux: bool = False,
     seed: int = 0,
+    static_argnames: tuple[str, ...] | list[str] | str = (),
 ) -> TrainStep:
     """Compile ``loss_fn(session, *args)`` plus ``optimizer``'s update into one XLA program.
 
@@ -275,6 +348,9 @@ def train_step(
       eager recording that was not reset) become invalid; pass ``donate=False`` if
       you mix eager recordings with compiled steps.
     * ``seed``: session random tensors in step ``k`` derive from ``fold_in(key(seed), k)``.
+    * ``static_argnames``: keyword arguments of ``loss_fn`` passed as compile-time
+      constants (hashable Python values such as a flag or a mode string); each
+      new value compiles a new program.
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array(3.0), name="w")
@@ -284,5 +360,13 @@ def train_step(
     (4.0, 2.0)
     """
     return TrainStep(
-        loss_fn, optimizer, mesh=mesh, data_axis=data_axis, param_specs=param_specs, donate=donate, has_aux=has_aux, seed=seed
+        loss_fn,
+        optimizer,
+        mesh=mesh,
+        data_axis=data_axis,
+        param_specs=param_specs,
+        donate=donate,
+        has_aux=has_aux,
+        seed=seed,
+        static_argnames=static_argnames,
     )
