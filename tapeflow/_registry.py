@@ -147,6 +147,7 @@ class FwdEntry:
     attrs: tuple[tuple[str, Any], ...]
     diff: tuple[int, ...]  # input positions that can carry a gradient
     differentiable: bool  # output dtype can carry a gradient
+    spec: Spec = ((), OBJECT)  # (shape, dtype) of the output, shared by every node it makes
 
 
 _FWD_CACHE: dict[Any, FwdEntry] = {}
@@ -227,7 +228,8 @@ def build_fwd(d: OpDef, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, .
     fn = _JIT_FWD.get((d.name, full_t))
     if fn is None:
         fn = _JIT_FWD[(d.name, full_t)] = jax.jit(fwd)
-    return FwdEntry(fn, tuple(out.shape), np.dtype(out.dtype), full_t, diff, is_float(out.dtype))
+    shape, dtype = tuple(out.shape), np.dtype(out.dtype)
+    return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype))
 
 
 def get_fwd(name: str, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, ...]) -> FwdEntry | str:

@@ -19,7 +19,6 @@ fresh buffer, so both continuations stay valid.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -41,7 +40,7 @@ class Node:
     static (they are part of the tape's pytree structure); ``value`` is the array.
     """
 
-    __slots__ = ("op", "attrs", "parents", "value", "requires_grad", "shape", "dtype", "meta")
+    __slots__ = ("op", "attrs", "parents", "value", "requires_grad", "shape", "dtype", "spec")
 
     def __init__(
         self,
@@ -52,6 +51,7 @@ class Node:
         requires_grad: bool,
         shape: tuple[int, ...],
         dtype: np.dtype,
+        spec: R.Spec | None = None,
     ) -> None:
         self.op = op
         self.attrs = attrs
@@ -60,11 +60,12 @@ class Node:
         self.requires_grad = requires_grad
         self.shape = shape
         self.dtype = dtype
-        self.meta = (op, attrs, parents, requires_grad, shape, dtype)
+        self.spec: R.Spec = (shape, dtype) if spec is None else spec  # (shape, dtype), the cache-key part
 
     @property
-    def spec(self) -> R.Spec:
-        return (self.shape, self.dtype)
+    def meta(self) -> tuple[Any, ...]:
+        """The static part of the node (its share of the tape's pytree structure)."""
+        return (self.op, self.attrs, self.parents, self.requires_grad, self.shape, self.dtype)
 
     def __repr__(self) -> str:
         what = "leaf" if self.op is None else f"{self.op}{self.parents}"
@@ -77,11 +78,10 @@ _new_object = object.__new__
 class _Buffer:
     """A node list shared by consecutive tape values; forks copy references."""
 
-    __slots__ = ("nodes", "lock")
+    __slots__ = ("nodes",)
 
     def __init__(self, nodes: list[Node]) -> None:
         self.nodes = nodes
-        self.lock = threading.Lock()
 
 
 class Tape:
@@ -149,12 +149,16 @@ class Tape:
     def _append(self, node: Node) -> Tape:
         buf = self._buf
         n = self._n
-        with buf.lock:
-            nodes = buf.nodes
-            if len(nodes) == n:
-                nodes.append(node)
-            else:  # someone already continued this tape: fork
+        nodes = buf.nodes
+        # Lock-free: list.append is atomic, and the append that lands in slot n owns
+        # it. Whoever finds another node there (a concurrent continuation of the same
+        # tape) or finds the buffer already longer (an older tape) forks instead.
+        if len(nodes) == n:
+            nodes.append(node)
+            if nodes[n] is not node:
                 buf = _Buffer(nodes[:n] + [node])
+        else:
+            buf = _Buffer(nodes[:n] + [node])
         t = _new_object(Tape)  # Tape._make, inlined (this is on the per-op hot path)
         t._buf = buf
         t._n = n + 1
@@ -297,30 +301,80 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
     >>> t2 is t, r.error.split(":")[0]
     (True, 'add')
     """
+    nodes = tape._buf.nodes
+    n = tape._n
+    # Fast path: plain in-range ids and a kernel already checked and compiled for
+    # this (op, attrs, shapes, dtypes). Anything else takes the checked path.
+    entry = None
+    if type(inputs) is tuple or type(inputs) is list:
+        ins = []
+        for i in inputs:
+            if type(i) is not int or not 0 <= i < n:
+                break
+            ins.append(nodes[i])
+        else:
+            akey = tuple(sorted(attrs.items())) if attrs else ()
+            try:
+                entry = _FWD_CACHE.get((op, akey, tuple([nd.spec for nd in ins])))
+            except TypeError:  # unhashable attribute or op name
+                entry = None
+    if entry is None or entry.dtype is R.OBJECT:
+        checked = _check(tape, op, inputs, attrs)
+        if type(checked) is Err:
+            return tape, checked
+        ids, ins, entry = checked
+    else:
+        ids = tuple(inputs)
+    # run the kernel and append its output node
+    try:
+        if len(ins) == 2:
+            out = entry.fn(ins[0].value, ins[1].value)
+        elif len(ins) == 1:
+            out = entry.fn(ins[0].value)
+        else:
+            out = entry.fn(*[nd.value for nd in ins])
+    except Exception as e:  # a kernel failure (device, numerics of exact arrays, ...)
+        specs = [nd.spec for nd in ins]
+        return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
+    rg = False
+    if entry.differentiable:
+        for i in entry.diff:
+            if ins[i].requires_grad:
+                rg = True
+                break
+    if entry.dtype is R.OBJECT:
+        shape = tuple(np.shape(out))
+        if not isinstance(out, np.ndarray):
+            out = np.asarray(out, dtype=object)
+        node = Node(op, entry.attrs, ids, out, rg, shape, R.OBJECT)
+    else:
+        node = Node(op, entry.attrs, ids, out, rg, entry.shape, entry.dtype, entry.spec)
+    return tape._append(node), (_OKS[n] if n < _N_OKS else Ok(n))
+
+
+def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tuple[tuple[int, ...], list[Node], R.FwdEntry]:
+    """Every check of ``record``, with a readable error for each failure."""
     d = R.REGISTRY.get(op) if isinstance(op, str) else None
     if d is None:
-        return tape, Err(f"unknown op {op!r}{_operands_note(tape, inputs)}; registered ops: {', '.join(R.ops())}")
+        return Err(f"unknown op {op!r}{_operands_note(tape, inputs)}; registered ops: {', '.join(R.ops())}")
     nodes = tape._buf.nodes
     n = tape._n
     try:
         ids = tuple(inputs)
     except TypeError:
-        return tape, Err(f"{op}: inputs must be a sequence of node ids, got {type(inputs).__name__}")
-    plain = True  # every id is already a Python int (the common case: no conversion pass)
+        return Err(f"{op}: inputs must be a sequence of node ids, got {type(inputs).__name__}")
     for i in ids:
         if type(i) is not int or not 0 <= i < n:
             if isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= int(i) < n:
-                plain = False
                 continue
-            return tape, Err(
+            return Err(
                 f"{op}: operand {i!r} is not a node id of this tape (valid ids are 0..{n - 1})"
                 if n
                 else f"{op}: operand {i!r} is not a node id: the tape is empty"
             )
-    if not plain:
-        ids = tuple(int(i) for i in ids)
+    ids = tuple(int(i) for i in ids)
     ins = [nodes[i] for i in ids]
-    specs = tuple([(nd.shape, nd.dtype) for nd in ins])
+    specs = tuple([nd.spec for nd in ins])
     if attrs:
         akey: tuple[tuple[str, Any], ...] = tuple(sorted(attrs.items()))
         try:
@@ -330,33 +384,21 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
             try:
                 hash(akey)
             except TypeError as e:
-                return tape, Err(
+                return Err(
                     f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
                 )
     else:
         akey = ()
     entry = R.get_fwd(op, akey, specs)
     if type(entry) is str:
-        return tape, Err(f"{op}: {entry} (operands: {R.describe(specs)})")
+        return Err(f"{op}: {entry} (operands: {R.describe(specs)})")
     assert isinstance(entry, R.FwdEntry)
-    try:
-        out = entry.fn(*[nd.value for nd in ins])
-    except Exception as e:  # a kernel failure (device, numerics of exact arrays, ...)
-        return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
-    rg = False
-    if entry.differentiable:
-        for i in entry.diff:
-            if ins[i].requires_grad:
-                rg = True
-                break
-    if entry.dtype is R.OBJECT:
-        shape, dtype = tuple(np.shape(out)), R.OBJECT
-        if not isinstance(out, np.ndarray):
-            out = np.asarray(out, dtype=object)
-    else:
-        shape, dtype = entry.shape, entry.dtype
-    new = tape._append(Node(op, entry.attrs, ids, out, rg, shape, dtype))
-    return new, Ok(n)
+    return ids, ins, entry
+
+
+_FWD_CACHE = R._FWD_CACHE
+_N_OKS = 1 << 14
+_OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shared
 
 
 def keep_tape_on_error(t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | Err | Exception) -> tuple[Tape, Ok[Any] | Err]:
