@@ -37,7 +37,6 @@ import os
 import pstats
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 # --single-thread: one XLA CPU thread on both sides (steadier numbers on a busy machine).
@@ -51,42 +50,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tapeflow as tfl  # noqa: E402
+from _timing import fmt, min_of_k, verdict  # noqa: E402
 
 PER_OP_TARGET = 1.3
 MLP_TARGET = 10.0
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def best_of(run: Callable[[], Any], n: int, k: int) -> float:
-    """Fastest of ``k`` calls of ``run()`` (each doing ``n`` operations), in seconds per operation.
-
-    ``run`` must block on its results before returning.
-    """
-    best = float("inf")
-    for _ in range(k):
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            run()
-            best = min(best, (time.perf_counter() - t0) / n)
-        finally:
-            gc.enable()
-    return best
-
-
-def fmt(t: float) -> str:
-    if t >= 1.0:
-        return f"{t:8.3f} s "
-    if t >= 1e-3:
-        return f"{t * 1e3:8.3f} ms"
-    return f"{t * 1e6:8.2f} us"
-
-
-def mark(ok: bool) -> str:
-    return "ok" if ok else "MISSES TARGET"
 
 
 # --------------------------------------------------------------------------- 1. per-op overhead
@@ -133,8 +103,8 @@ def bench_per_op(n: int, k: int) -> list[tuple[str, float, float]]:
         run_tape()
         tj = tt = float("inf")
         for _ in range(k):
-            tj = min(tj, best_of(run_jit, n, 1))
-            tt = min(tt, best_of(run_tape, n, 1))
+            tj = min(tj, min_of_k(run_jit, 1, 1, warmup=0) / n)
+            tt = min(tt, min_of_k(run_tape, 1, 1, warmup=0) / n)
         rows.append((label, tj, tt))
     return rows
 
@@ -248,9 +218,9 @@ def bench_mlp(n: int, k: int) -> tuple[float, float, float, float, str]:
     run_jitted()
     tt = tp = tj = float("inf")
     for _ in range(k):
-        tt = min(tt, best_of(run_tape, n, 1))
-        tp = min(tp, best_of(run_plain, n, 1))
-        tj = min(tj, best_of(run_jitted, n, 1))
+        tt = min(tt, min_of_k(run_tape, 1, 1, warmup=0) / n)
+        tp = min(tp, min_of_k(run_plain, 1, 1, warmup=0) / n)
+        tj = min(tj, min_of_k(run_jitted, 1, 1, warmup=0) / n)
     return tt, tp, tj, err, loss_name
 
 
@@ -301,7 +271,7 @@ def main() -> None:
     for label, tj, tt in bench_per_op(n_op, k):
         ratio = tt / tj
         worst = max(worst, ratio)
-        print(f"   {label:<26}{fmt(tj):>12}{fmt(tt):>12}{ratio:>8.2f}x   {mark(ratio <= PER_OP_TARGET)}")
+        print(f"   {label:<26}{fmt(tj):>12}{fmt(tt):>12}{ratio:>8.2f}x   {verdict(ratio <= PER_OP_TARGET)}")
     print()
 
     tt, tp, tj, err, loss_name = bench_mlp(n_mlp, k)
@@ -313,7 +283,7 @@ def main() -> None:
     print(f"   max |difference| tape vs jax       {err:.2e}")
     print(
         f"   tape speedup vs unjitted value_and_grad: {speedup:.1f}x   "
-        f"target >= {MLP_TARGET:.0f}x   {mark(speedup >= MLP_TARGET)}"
+        f"target >= {MLP_TARGET:.0f}x   {verdict(speedup >= MLP_TARGET)}"
     )
     print()
 

@@ -37,8 +37,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,29 +46,9 @@ import numpy as np
 import optax
 
 import tapeflow as tfl
+from _timing import min_of_k
 
 TARGET = 1.05
-
-
-def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int) -> float:
-    """Best over ``k`` repeats of the mean time of ``n`` calls (seconds per call)."""
-    out = None
-    for _ in range(warmup):
-        out = call()
-    jax.block_until_ready(out)
-    best = float("inf")
-    for _ in range(k):
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                out = call()
-            jax.block_until_ready(out)
-            best = min(best, (time.perf_counter() - t0) / n)
-        finally:
-            gc.enable()
-    return best
 
 
 def init_mlp(sizes: tuple[int, ...], seed: int = 0) -> dict[str, np.ndarray]:

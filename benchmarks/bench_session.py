@@ -26,7 +26,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -43,40 +42,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tapeflow as tfl  # noqa: E402
+from _timing import fmt, min_of_k, verdict  # noqa: E402
 
 SIZES = (784, 256, 256, 10)
 BATCH = 64
-
-
-def min_of_k(step: Callable[[], Any], n: int, k: int, warmup: int) -> float:
-    """Best over ``k`` repeats of the mean time of ``n`` calls of ``step`` (seconds per call)."""
-    for _ in range(warmup):
-        step()
-    best = float("inf")
-    for _ in range(k):
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            dt = (time.perf_counter() - t0) / n
-        finally:
-            gc.enable()
-        best = min(best, dt)
-    return best
-
-
-def fmt(t: float) -> str:
-    if t >= 1.0:
-        return f"{t:8.3f} s "
-    if t >= 1e-3:
-        return f"{t * 1e3:8.3f} ms"
-    return f"{t * 1e6:8.1f} us"
-
-
-def verdict(ok: bool) -> str:
-    return "meets target" if ok else "MISSES target"
 
 
 # --------------------------------------------------------------------------- MLP

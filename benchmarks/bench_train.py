@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import tapeflow as tfl  # noqa: E402
+from _timing import min_of_k  # noqa: E402
 
 BATCH = 64
 MLP = (784, 256, 256, 10)
@@ -58,19 +59,6 @@ HAS_CE = "cross_entropy" in tfl.REGISTRY
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def min_of_k(step: Callable[[], Any], n: int, k: int, warmup: int) -> float:
-    """Best mean seconds per call over ``k`` repeats of ``n`` calls."""
-    for _ in range(warmup):
-        step()
-    best = float("inf")
-    for _ in range(k):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
 
 
 def _sync(xs: Any) -> None:

@@ -26,6 +26,7 @@ import math
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -570,6 +571,7 @@ class Session:
         self.grad_enabled = bool(grad_enabled)
         self.show_backend = bool(show_backend)
         self._owner = _next_owner()
+        self._ref = weakref.ref(self)
         self._generation = 0
         self._rng_counter = 0
         self._tape = Tape.empty(self.device)
@@ -692,6 +694,7 @@ class Session:
     def _commit_leaf(self, value: Any, requires_grad: bool) -> Tensor:
         t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled)
         self._tape = t
+        _LAST[0] = self._ref
         return self._handle(i)
 
     def input(self, x: Any, requires_grad: bool = False) -> Tensor:
@@ -812,6 +815,7 @@ class Session:
         if not r.is_ok:
             raise TapeError(r.error)
         self._tape = t
+        _LAST[0] = self._ref
         for i, p in new_params:
             self._register_param_leaf(i, p, p.storage)
         if opname not in self._backend_seen:
@@ -1002,11 +1006,28 @@ def _session_of(operands: Sequence[Any], opname: str) -> Session:
             return s
     s = _CURRENT.get()
     if s is None:
+        s = _last_recorded()
+    if s is None:
         raise TapeError(
-            f"{opname}: no session to record on: none of the operands is a Tensor and no session is current. "
-            "Use `with tfl.Session() as s:` or pass a tensor from s.input(...)"
+            f"{opname}: no session to record on: none of the operands is a Tensor, no session is current, "
+            "and no session has recorded anything yet. Use `with tfl.Session() as s:` or pass a tensor "
+            "from s.input(...)"
         )
     return s
+
+
+_LAST: list[weakref.ref[Session] | None] = [None]
+
+
+def _last_recorded() -> Session | None:
+    """The session that recorded the latest leaf or op in this process (if it is still alive).
+
+    Lets an op on Params alone (``w.T``) record on the session the surrounding code
+    uses even outside a ``with`` block; mixing its result with another session's
+    handles is then reported as a session mismatch.
+    """
+    ref = _LAST[0]
+    return None if ref is None else ref()
 
 
 def apply(opname: str, *operands: Any, **attrs: Any) -> Tensor:

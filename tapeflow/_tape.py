@@ -430,6 +430,7 @@ def keep_tape_on_error(t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | 
 # --------------------------------------------------------------------------- backward
 
 _add = jax.jit(jnp.add)
+_ONE: dict[np.dtype, np.ndarray] = {}
 
 
 def _accum(a: Any, b: Any) -> Any:
@@ -488,7 +489,9 @@ def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None 
 
             seed = np.asarray(Fraction(1), dtype=object)
         else:
-            seed = jnp.ones((), rnode.dtype)
+            seed = _ONE.get(rnode.dtype)
+            if seed is None:  # NumPy, not jnp: also safe to reuse when backward runs under jit
+                seed = _ONE[rnode.dtype] = np.ones((), rnode.dtype)
     else:
         if tuple(np.shape(seed)) != rnode.shape:
             raise TapeError(

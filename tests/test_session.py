@@ -1258,3 +1258,18 @@ class TestRationals:
         # d/dW sum(W1 @ W2) = ones @ W2.T + W1.T @ ones at W1 = W2 = W
         ref = ones @ w_v.T + w_v.T @ ones
         assert _exact_equal(g[w], ref)
+
+
+def test_param_only_op_records_on_the_session_that_recorded_last() -> None:
+    w = tfl.Param(jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3), name="w")
+    s = tfl.Session()  # no `with` block: not current
+    x = s.input(jnp.ones((4, 3), jnp.float32))
+    y = x @ w.T  # w.T has no Tensor operand: it records on s, the session x came from
+    assert y.shape == (4, 2) and len(s.tape) == 4
+    np.testing.assert_allclose(np.asarray(y.value), np.ones((4, 3)) @ np.asarray(w.value).T)
+    other = tfl.Session()
+    z = other.input(jnp.ones((4, 3), jnp.float32))  # `other` recorded last now
+    with pytest.raises(tfl.TapeError, match="tensor handle belongs to a different session"):
+        _ = x @ w.T  # w.T lands on `other`; mixing it with s's handle is reported
+    assert len(s.tape) == 4  # nothing recorded on s by the rejected call
+    del z
