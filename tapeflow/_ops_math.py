@@ -14,60 +14,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._registry import REQUIRED, Spec, broadcast_shapes, fmt_spec, is_float, op, unbroadcast, xp_of
+from ._checks import axes_error, broadcast, float_operands, norm_axes, same_dtype
+from ._registry import REQUIRED, Spec, broadcast_shapes, op, unbroadcast, xp_of
 
 # --------------------------------------------------------------------------- checks
 
 
-def _float_operands(specs: tuple[Spec, ...], **_: Any) -> str | None:
-    for i, (_, dt) in enumerate(specs):
-        if not is_float(dt):
-            return (
-                f"operand #{i} has dtype {dt}, expected a floating dtype; "
-                "cast it first with tfl.astype(x, jnp.float32)"
-            )
-    return None
-
-
-def _same_dtype(specs: tuple[Spec, ...]) -> str | None:
-    dts = {dt for _, dt in specs}
-    if len(dts) > 1:
-        return (
-            f"operand dtypes differ ({', '.join(fmt_spec(s) for s in specs)}); "
-            "tapeflow does not promote implicitly: cast one operand with tfl.astype"
-        )
-    return None
-
-
-def _broadcast(specs: tuple[Spec, ...]) -> str | None:
-    if broadcast_shapes(*(s for s, _ in specs)) is None:
-        return f"shapes {' and '.join(str(s) for s, _ in specs)} do not broadcast together"
-    return None
-
-
 def binary_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
     """Same dtype and broadcastable shapes."""
-    return _same_dtype(specs) or _broadcast(specs)
+    return same_dtype(specs) or broadcast(specs)
 
 
 def binary_float_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
-    return _float_operands(specs) or binary_check(specs)
+    return float_operands(specs) or binary_check(specs)
 
 
-def _axes_check(specs: tuple[Spec, ...], axis: Any = None, **_: Any) -> str | None:
-    ndim = len(specs[0][0])
-    axes = () if axis is None else (axis if isinstance(axis, tuple) else (axis,))
-    for a in axes:
-        if not isinstance(a, (int, np.integer)) or not -ndim <= a < max(ndim, 1):
-            return f"axis {a!r} is out of range for an operand of rank {ndim}"
-    norm = [a % max(ndim, 1) for a in axes]
-    if len(set(norm)) != len(norm):
-        return f"axis {axis!r} repeats an axis"
-    return None
-
-
-def _reduce_check(specs: tuple[Spec, ...], **attrs: Any) -> str | None:
-    return _axes_check(specs, **attrs)
+def _reduce_check(specs: tuple[Spec, ...], axis: Any = None, **_: Any) -> str | None:
+    return axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -176,7 +139,7 @@ def _minimum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
 def _where_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
     if specs[0][1] != np.dtype(bool):
         return f"condition #0 must be boolean, got {specs[0][1]}; build it with a comparison such as x > 0"
-    return binary_check(specs[1:]) or _broadcast(specs)
+    return binary_check(specs[1:]) or broadcast(specs)
 
 
 @op("where", arity=3, nondiff=(0,), exact=True, check=_where_check)
@@ -202,7 +165,7 @@ def _unary(name: str, fwd: Any, deriv: Any, doc: str) -> None:
         return fwd(x)
 
     f.__doc__ = doc
-    d = op(name, arity=1, check=_float_operands)(f)
+    d = op(name, arity=1, check=float_operands)(f)
 
     def vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
         return ((g * deriv(x, out)).astype(g.dtype),)
@@ -235,7 +198,7 @@ def _gelu_deriv(x: Any, out: Any) -> Any:
 _unary("gelu", lambda x: jax.nn.gelu(x, approximate=False), _gelu_deriv, "Elementwise GELU (exact erf form).")
 
 
-@op("relu", arity=1, exact=True, check=_float_operands)
+@op("relu", arity=1, exact=True, check=float_operands)
 def relu(x: Any) -> Any:
     """Elementwise ``max(x, 0)`` (NaN propagates, as in ``jax.nn.relu``); the gradient at 0 is 0."""
     if xp_of(x) is np:  # exact rationals
@@ -250,7 +213,7 @@ def _relu_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
 
 
 def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str | None:
-    if err := _float_operands(specs):
+    if err := float_operands(specs):
         return err
     for name, v in (("lo", lo), ("hi", hi)):
         if v is not None and not isinstance(v, (int, float)):
@@ -325,18 +288,11 @@ _cmp("ne", lambda x, y: x != y)
 # --------------------------------------------------------------------------- reductions
 
 
-def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
-    if axis is None:
-        return tuple(range(ndim))
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    return tuple(sorted(a % ndim for a in axes))
-
-
 def _expand(g: Any, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Any:
     """Reshape a reduced cotangent so it broadcasts against the input of ``shape``."""
     if keepdims:
         return g
-    axes = _axes(axis, len(shape))
+    axes = norm_axes(axis, len(shape))
     kshape = tuple(1 if i in axes else s for i, s in enumerate(shape))
     return xp_of(g).reshape(g, kshape)
 
@@ -358,7 +314,7 @@ def mean(x: Any, axis: Any, keepdims: bool) -> Any:
     """Mean over ``axis`` (an int, a tuple, or None for all)."""
     xp = xp_of(x)
     if xp is np:
-        count = int(np.prod([x.shape[a] for a in _axes(axis, x.ndim)], dtype=np.int64))
+        count = int(np.prod([x.shape[a] for a in norm_axes(axis, x.ndim)], dtype=np.int64))
         return np.sum(x, axis=axis, keepdims=keepdims) / count
     return jnp.mean(x, axis=axis, keepdims=keepdims)
 
@@ -366,7 +322,7 @@ def mean(x: Any, axis: Any, keepdims: bool) -> Any:
 @mean.defvjp
 def _mean_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
     xp = xp_of(g)
-    count = int(np.prod([x.shape[a] for a in _axes(axis, x.ndim)], dtype=np.int64))
+    count = int(np.prod([x.shape[a] for a in norm_axes(axis, x.ndim)], dtype=np.int64))
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape) / count,)
 
 
@@ -381,7 +337,7 @@ def _max_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
     o = _expand(out, x.shape, axis, keepdims)
     gg = _expand(g, x.shape, axis, keepdims)
     hit = (x == o).astype(g.dtype)
-    count = jnp.sum(hit, axis=_axes(axis, x.ndim), keepdims=True)
+    count = jnp.sum(hit, axis=norm_axes(axis, x.ndim), keepdims=True)
     return (hit * gg / count,)
 
 
@@ -390,7 +346,7 @@ def _max_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
 
 def _matmul_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
     (a, _), (b, _) = specs
-    if err := _same_dtype(specs):
+    if err := same_dtype(specs):
         return err
     if len(a) == 0 or len(b) == 0:
         return "matmul needs operands of rank >= 1, got a scalar"
@@ -432,7 +388,7 @@ def _matmul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
 
 
 def _linear_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
-    if err := _float_operands(specs) or _same_dtype(specs):
+    if err := float_operands(specs) or same_dtype(specs):
         return err
     x, w = specs[0][0], specs[1][0]
     if len(x) < 1 or len(w) != 2:

@@ -16,65 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._registry import REQUIRED, Spec, broadcast_shapes, fmt_spec, is_float, op, unbroadcast
+from ._checks import axes_error, broadcasts_to, float_check, is_int, is_int_dtype, norm_axes
+from ._registry import REQUIRED, Spec, broadcast_shapes, op, unbroadcast
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
-def _float_check(specs: tuple[Spec, ...], which: tuple[int, ...] | None = None) -> str | None:
-    """Each listed operand (default: all) has a floating dtype, and they share one dtype."""
-    idx = range(len(specs)) if which is None else which
-    for i in idx:
-        dt = specs[i][1]
-        if not is_float(dt):  # exact rationals pass here; the registry then names the exact ops
-            return (
-                f"operand #{i} has dtype {dt}, expected a floating dtype; "
-                'cast it first with the astype op, e.g. record(tape, "astype", (x,), dtype=jnp.float32)'
-            )
-    sub = [specs[i] for i in idx]
-    if len({dt for _, dt in sub}) > 1:
-        return (
-            f"floating operands have different dtypes ({', '.join(fmt_spec(s) for s in sub)}); "
-            "tapeflow does not promote implicitly: cast them to one dtype with the astype op"
-        )
-    return None
-
-
-def _axes_tuple(axis: Any, ndim: int) -> tuple[int, ...] | str:
-    """Normalized sorted axes for ``axis`` (int, tuple or None = all), or an error message."""
-    if axis is None:
-        return tuple(range(ndim))
-    raw = (axis,) if _is_int(axis) else axis
-    if not isinstance(raw, tuple) or not all(_is_int(a) for a in raw):
-        return f"attribute axis={axis!r} must be an int, a tuple of ints or None"
-    for a in raw:
-        if not -ndim <= a < ndim:
-            return f"axis {a} is out of range for an operand of rank {ndim} (valid: {-ndim}..{ndim - 1})"
-    norm = sorted(int(a) % ndim for a in raw)
-    if len(set(norm)) != len(norm):
-        return f"axis={axis!r} names the same axis twice"
-    return tuple(norm)
-
-
-def _axes(axis: Any, ndim: int) -> tuple[int, ...]:
-    r = _axes_tuple(axis, ndim)
-    assert isinstance(r, tuple), r
-    return r
-
-
 def _axis_check(specs: tuple[Spec, ...], axis: Any = -1, **_: Any) -> str | None:
-    if err := _float_check(specs):
-        return err
-    r = _axes_tuple(axis, len(specs[0][0]))
-    return r if isinstance(r, str) else None
+    return float_check(specs) or axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
 def _reduction_error(reduction: Any) -> str | None:
@@ -113,44 +66,43 @@ def _stable_max(x: Any, axes: tuple[int, ...]) -> Any:
 @op("softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
 def softmax(x: Any, axis: Any) -> Any:
     """``exp(x) / sum(exp(x))`` over ``axis`` (int or tuple), computed as ``exp(x - max)`` for stability."""
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     e = jnp.exp(x - _stable_max(x, axes))
     return e / jnp.sum(e, axis=axes, keepdims=True)
 
 
 @softmax.defvjp
 def _softmax_vjp(g: Any, out: Any, x: Any, axis: Any) -> tuple[Any]:
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     return (out * (g - jnp.sum(g * out, axis=axes, keepdims=True)),)
 
 
 @op("log_softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
 def log_softmax(x: Any, axis: Any) -> Any:
     """``x - logsumexp(x)`` over ``axis`` (int or tuple), shifted by the max for stability."""
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     s = x - _stable_max(x, axes)
     return s - jnp.log(jnp.sum(jnp.exp(s), axis=axes, keepdims=True))
 
 
 @log_softmax.defvjp
 def _log_softmax_vjp(g: Any, out: Any, x: Any, axis: Any) -> tuple[Any]:
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     return (g - jnp.exp(out) * jnp.sum(g, axis=axes, keepdims=True),)
 
 
 def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str | None:
-    if err := _float_check(specs):
+    if err := float_check(specs):
         return err
     if not isinstance(keepdims, (bool, np.bool_)):
         return f"attribute keepdims={keepdims!r} must be True or False"
-    r = _axes_tuple(axis, len(specs[0][0]))
-    return r if isinstance(r, str) else None
+    return axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
 @op("logsumexp", arity=1, attrs={"axis": -1, "keepdims": False}, check=_logsumexp_check)
 def logsumexp(x: Any, axis: Any, keepdims: bool) -> Any:
     """``log(sum(exp(x)))`` over ``axis`` (int, tuple or None for all), shifted by the max for stability."""
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     m = _stable_max(x, axes)
     out = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True))
     return out if keepdims else jnp.squeeze(out, axis=axes)
@@ -158,7 +110,7 @@ def logsumexp(x: Any, axis: Any, keepdims: bool) -> Any:
 
 @logsumexp.defvjp
 def _logsumexp_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     if not keepdims:
         g = jnp.expand_dims(g, axes)
         out = jnp.expand_dims(out, axes)
@@ -169,12 +121,12 @@ def _logsumexp_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple
 
 
 def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | None:
-    if err := _float_check(specs):
+    if err := float_check(specs):
         return err
     shape = specs[0][0]
-    r = _axes_tuple(axis, len(shape))
-    if isinstance(r, str):
-        return r
+    if err := axes_error(axis, len(shape), none_ok=True):
+        return err
+    r = norm_axes(axis, len(shape))
     if not r or r != tuple(range(len(shape) - len(r), len(shape))):
         return (
             f"axis={axis!r} must name trailing axes of the rank-{len(shape)} input "
@@ -206,7 +158,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Any, eps: 
     ``var`` is the biased variance; ``weight`` and ``bias`` are optional (give
     ``weight`` alone, or both) and have the normalized trailing shape.
     """
-    xhat, _ = _layer_norm_stats(x, _axes(axis, x.ndim), eps)
+    xhat, _ = _layer_norm_stats(x, norm_axes(axis, x.ndim), eps)
     y = xhat if weight is None else xhat * weight
     return y if bias is None else y + bias
 
@@ -215,7 +167,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Any, eps: 
 def _layer_norm_vjp(
     g: Any, out: Any, x: Any, weight: Any = None, bias: Any = None, *, axis: Any, eps: float
 ) -> tuple[Any, ...]:
-    axes = _axes(axis, x.ndim)
+    axes = norm_axes(axis, x.ndim)
     xhat, rstd = _layer_norm_stats(x, axes, eps)
     gx_hat = g if weight is None else g * weight
     gx = rstd * (
@@ -236,12 +188,12 @@ def _layer_norm_vjp(
 
 
 def _cross_entropy_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
-    if err := _float_check(specs, (0,)):
+    if err := float_check(specs, (0,)):
         return err
     (ls, _), (ys, ydt) = specs
     if len(ls) == 0 or ls[-1] == 0:
         return f"logits must have shape (..., C) with C >= 1 classes, got {ls}"
-    if ydt == np.dtype(object) or not jnp.issubdtype(ydt, jnp.integer):
+    if not is_int_dtype(ydt):
         return (
             f"labels (operand #1) must be integer class indices, got dtype {ydt}; "
             "for one-hot or soft targets use log_softmax, mul and sum"
@@ -284,7 +236,7 @@ def _cross_entropy_vjp(g: Any, out: Any, logits: Any, labels: Any, reduction: st
 
 
 def _mse_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
-    if err := _float_check(specs):
+    if err := float_check(specs):
         return err
     if specs[0][0] != specs[1][0]:
         return (
@@ -311,9 +263,9 @@ def _mse_vjp(g: Any, out: Any, pred: Any, target: Any, reduction: str) -> tuple[
 
 
 def _pair(v: Any) -> tuple[int, int] | None:
-    if _is_int(v):
+    if is_int(v):
         return (int(v), int(v))
-    if isinstance(v, tuple) and len(v) == 2 and all(_is_int(a) for a in v):
+    if isinstance(v, tuple) and len(v) == 2 and all(is_int(a) for a in v):
         return (int(v[0]), int(v[1]))
     return None
 
@@ -338,7 +290,7 @@ def _out_size(n: int, k: int, s: int, d: int, pad: tuple[int, int]) -> int:
 
 
 def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: Any, groups: Any) -> str | None:
-    if err := _float_check(specs):
+    if err := float_check(specs):
         return err
     xs, ws = specs[0][0], specs[1][0]
     if len(xs) != 4:
@@ -353,7 +305,7 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
     pad = _padding(padding)
     if pad is None or (not isinstance(pad, str) and min(min(p) for p in pad) < 0):
         return f'attribute padding={padding!r} must be a non-negative int, a pair of them, "SAME" or "VALID"'
-    if not _is_int(groups) or groups < 1:
+    if not is_int(groups) or groups < 1:
         return f"attribute groups={groups!r} must be a positive int"
     n, c, h, w = xs
     o, ci, kh, kw = ws
@@ -464,7 +416,7 @@ def _conv2d_vjp(
 
 
 def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding: Any) -> str | None:
-    if err := _float_check(specs):
+    if err := float_check(specs):
         return err
     xs = specs[0][0]
     if len(xs) != 4:
@@ -525,7 +477,7 @@ def avg_pool2d(x: Any, kernel_size: Any, stride: Any, padding: Any) -> Any:
 
 
 def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | None:
-    if err := _float_check(specs, (0, 1, 2)):
+    if err := float_check(specs, (0, 1, 2)):
         return err
     q, k, v = (s for s, _ in specs[:3])
     for name, s in (("q", q), ("k", k), ("v", v)):
@@ -543,7 +495,7 @@ def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | 
         if mdt != np.dtype(bool):
             return f"mask (operand #3) must be boolean (True = attend), got {mdt}; build it with a comparison"
         target = batch + (q[-2], k[-2])
-        if len(ms) > len(target) or broadcast_shapes(ms, target) != target:
+        if not broadcasts_to(ms, target):
             return f"mask has shape {ms} but must broadcast to (..., Lq, Lk) = {target}"
     if scale is not None and not _is_number(scale):
         return f"attribute scale={scale!r} must be a number or None (= 1/sqrt(D))"

@@ -21,54 +21,20 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ._registry import REQUIRED, Spec, broadcast_shapes, fmt_spec, op, unbroadcast, xp_of
+from ._checks import axes_error, axis_error, broadcasts_to, int_tuple, is_int, is_int_dtype, same_dtype
+from ._registry import REQUIRED, Spec, op, unbroadcast, xp_of
 
 __all__ = ["normalize_index"]
 
 # --------------------------------------------------------------------------- shared helpers
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_index_dtype(dt: np.dtype) -> bool:
-    return dt != np.dtype(object) and jnp.issubdtype(dt, jnp.integer)
-
-
 def _int_operand(specs: tuple[Spec, ...], i: int, what: str) -> str | None:
     dt = specs[i][1]
-    if not _is_index_dtype(dt):
+    if not is_int_dtype(dt):
         return (
             f"{what} (operand #{i}) must have an integer dtype, got {dt}; "
             "build it with jnp.asarray(..., jnp.int32) or cast it with the astype op"
-        )
-    return None
-
-
-def _axis_error(axis: Any, ndim: int, name: str = "axis") -> str | None:
-    """Message if ``axis`` is not a valid single axis for rank ``ndim``."""
-    if not _is_int(axis):
-        return f"attribute {name}={axis!r} must be an int"
-    if not -ndim <= axis < ndim:
-        return f"{name}={axis} is out of range for an operand of rank {ndim} (valid: {-ndim}..{ndim - 1})"
-    return None
-
-
-def _as_int_tuple(v: Any) -> tuple[int, ...] | None:
-    """``v`` as a tuple of ints (an int is a 1-tuple), or None if it is not one."""
-    if _is_int(v):
-        return (int(v),)
-    if isinstance(v, (tuple, list)) and all(_is_int(a) for a in v):
-        return tuple(int(a) for a in v)
-    return None
-
-
-def _same_dtype(specs: tuple[Spec, ...]) -> str | None:
-    if len({dt for _, dt in specs}) > 1:
-        return (
-            f"operand dtypes differ ({', '.join(fmt_spec(s) for s in specs)}); "
-            "tapeflow does not promote implicitly: cast operands to one dtype with the astype op"
         )
     return None
 
@@ -77,7 +43,7 @@ def _same_dtype(specs: tuple[Spec, ...]) -> str | None:
 
 
 def _reshape_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
-    want = _as_int_tuple(shape)
+    want = int_tuple(shape)
     if want is None:
         return f"attribute shape={shape!r} must be an int or a tuple of ints"
     size = math.prod(specs[0][0])
@@ -121,10 +87,10 @@ def _perm_check(specs: tuple[Spec, ...], axes: Any) -> str | None:
     ndim = len(specs[0][0])
     if axes is None:
         return None
-    t = _as_int_tuple(axes)
-    if t is None or _is_int(axes):
+    t = int_tuple(axes)
+    if t is None or is_int(axes):
         return f"attribute axes={axes!r} must be None or a tuple of ints (a permutation of 0..{ndim - 1})"
-    if len(t) != ndim or any(not -ndim <= a < ndim for a in t) or len({a % ndim for a in t}) != ndim:
+    if len(t) != ndim or axes_error(t, ndim) is not None:
         return (
             f"axes={t} is not a permutation of the {ndim} axes of the operand; "
             f"give each of 0..{ndim - 1} exactly once (negative axes count from the end)"
@@ -167,11 +133,11 @@ permute.defvjp(_transpose_vjp)
 
 
 def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
-    want = _as_int_tuple(shape)
+    want = int_tuple(shape)
     if want is None or any(s < 0 for s in want):
         return f"attribute shape={shape!r} must be an int or a tuple of non-negative ints"
     have = specs[0][0]
-    if len(want) < len(have) or broadcast_shapes(have, want) != want:
+    if not broadcasts_to(have, want):
         return (
             f"cannot broadcast shape {have} to {want}: aligned from the right, each dimension "
             "must equal the target or be 1 (reshape or expand_dims first to insert axes)"
@@ -182,7 +148,7 @@ def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
 @op("broadcast_to", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_broadcast_to_check)
 def broadcast_to(x: Any, shape: Any) -> Any:
     """Broadcast ``x`` to ``shape`` with NumPy rules; the VJP sums over the broadcast axes."""
-    return xp_of(x).broadcast_to(x, _as_int_tuple(shape))
+    return xp_of(x).broadcast_to(x, int_tuple(shape))
 
 
 @broadcast_to.defvjp
@@ -190,30 +156,18 @@ def _broadcast_to_vjp(g: Any, out: Any, x: Any, shape: Any) -> tuple[Any]:
     return (unbroadcast(g, x.shape),)
 
 
-def _axes_error(axis: Any, ndim: int) -> str | None:
-    t = _as_int_tuple(axis)
-    if t is None:
-        return f"attribute axis={axis!r} must be an int or a tuple of ints"
-    for a in t:
-        if not -ndim <= a < ndim:
-            return f"axis {a} is out of range for rank {ndim} (valid: {-ndim}..{ndim - 1})"
-    if len({a % ndim for a in t}) != len(t):
-        return f"axis={t} names the same axis twice"
-    return None
-
-
 def _expand_dims_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
-    t = _as_int_tuple(axis)
+    t = int_tuple(axis)
     ndim = len(specs[0][0]) + (len(t) if t is not None else 0)
-    if err := _axes_error(axis, ndim):
-        return f"{err} (the result has rank {ndim})"
+    if err := axes_error(axis, ndim, of="the result"):
+        return f"{err}; expand_dims axes are positions in the result"
     return None
 
 
 @op("expand_dims", arity=1, attrs={"axis": REQUIRED}, exact=True, check=_expand_dims_check)
 def expand_dims(x: Any, axis: Any) -> Any:
     """Insert size-1 axes at ``axis`` (an int or tuple, positions in the result)."""
-    return xp_of(x).expand_dims(x, _as_int_tuple(axis))
+    return xp_of(x).expand_dims(x, int_tuple(axis))
 
 
 def _reshape_back_vjp(g: Any, out: Any, x: Any, **_: Any) -> tuple[Any]:
@@ -227,9 +181,9 @@ def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
     if axis is None:
         return None
     shape = specs[0][0]
-    if err := _axes_error(axis, len(shape)):
+    if err := axes_error(axis, len(shape)):
         return err
-    for a in _as_int_tuple(axis) or ():
+    for a in int_tuple(axis) or ():
         if shape[a] != 1:
             return (
                 f"cannot squeeze axis {a}: it has size {shape[a]}, not 1 "
@@ -241,7 +195,7 @@ def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 @op("squeeze", arity=1, attrs={"axis": None}, exact=True, check=_squeeze_check)
 def squeeze(x: Any, axis: Any) -> Any:
     """Remove size-1 axes: those named by ``axis`` (each must have size 1), or all of them if None."""
-    return xp_of(x).squeeze(x, axis=None if axis is None else _as_int_tuple(axis))
+    return xp_of(x).squeeze(x, axis=None if axis is None else int_tuple(axis))
 
 
 squeeze.defvjp(_reshape_back_vjp)
@@ -251,12 +205,12 @@ squeeze.defvjp(_reshape_back_vjp)
 
 
 def _concat_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
-    if err := _same_dtype(specs):
+    if err := same_dtype(specs):
         return err
     first = specs[0][0]
     if len(first) == 0:
         return "cannot concatenate scalars; give operands rank >= 1 (expand_dims or reshape them)"
-    if err := _axis_error(axis, len(first)):
+    if err := axis_error(axis, len(first)):
         return err
     ax = axis % len(first)
     for i, (s, _) in enumerate(specs):
@@ -289,13 +243,13 @@ def _concat_vjp(g: Any, out: Any, *xs: Any, axis: int) -> tuple[Any, ...]:
 def _norm_item(v: Any) -> Any:
     if v is None or v is Ellipsis:
         return v
-    if _is_int(v):
+    if is_int(v):
         return int(v)
     if isinstance(v, slice):
         v = ("slice", v.start, v.stop, v.step)
     if isinstance(v, tuple) and len(v) == 4 and v[0] == "slice":
         parts = v[1:]
-        if not all(p is None or _is_int(p) for p in parts):
+        if not all(p is None or is_int(p) for p in parts):
             raise TypeError(f"slice bounds must be ints or None, got {v!r}")
         if parts[2] == 0:
             raise ValueError("slice step cannot be zero")
@@ -399,7 +353,7 @@ def _take_check(specs: tuple[Spec, ...], axis: Any = 0) -> str | None:
     shape = specs[0][0]
     if len(shape) == 0:
         return "cannot take from a scalar; the operand needs rank >= 1"
-    if err := _axis_error(axis, len(shape)):
+    if err := axis_error(axis, len(shape)):
         return err
     n = shape[axis]
     if n == 0 and math.prod(specs[1][0]) > 0:
@@ -463,16 +417,16 @@ def _scatter_shape(x: tuple[int, ...], idx: tuple[int, ...], axis: int) -> tuple
 def _scatter_add_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
     if err := _int_operand(specs, 1, "indices"):
         return err
-    if err := _same_dtype((specs[0], specs[2])):
-        return err.replace("operand dtypes differ", "x (#0) and updates (#2) dtypes differ")
+    if err := same_dtype((specs[0], specs[2]), "x (#0) and updates (#2)"):
+        return err
     shape = specs[0][0]
     if len(shape) == 0:
         return "cannot scatter into a scalar; x needs rank >= 1"
-    if err := _axis_error(axis, len(shape)):
+    if err := axis_error(axis, len(shape)):
         return err
     want = _scatter_shape(shape, specs[1][0], axis % len(shape))
     upd = specs[2][0]
-    if len(upd) > len(want) or broadcast_shapes(upd, want) != want:
+    if not broadcasts_to(upd, want):
         return (
             f"updates have shape {upd} but must broadcast to x.shape[:axis] + indices.shape + "
             f"x.shape[axis+1:] = {want}"

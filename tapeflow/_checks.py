@@ -1,0 +1,122 @@
+"""Checks shared by the op modules: integer, dtype, broadcasting and axis tests.
+
+The checks return None when their input is valid, else a message that names
+the problem and the fix (the registry prefixes the op name and appends the
+operand specs); ``is_*`` and ``broadcasts_to`` are predicates, ``int_tuple``
+and ``norm_axes`` normalize attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ._registry import Spec, broadcast_shapes, fmt_spec, is_float
+
+
+def is_int(v: Any) -> bool:
+    """Whether ``v`` is a Python or NumPy integer (bools are not)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_int_dtype(dt: np.dtype) -> bool:
+    """Whether ``dt`` is an integer dtype (exact rationals, bools and floats are not)."""
+    return dt != np.dtype(object) and bool(jnp.issubdtype(dt, jnp.integer))
+
+
+def int_tuple(v: Any) -> tuple[int, ...] | None:
+    """``v`` as a tuple of ints (an int is a 1-tuple), or None if it is not one."""
+    if is_int(v):
+        return (int(v),)
+    if isinstance(v, (tuple, list)) and all(is_int(a) for a in v):
+        return tuple(int(a) for a in v)
+    return None
+
+
+def float_operands(specs: Sequence[Spec], which: Sequence[int] | None = None) -> str | None:
+    """Message if an operand listed in ``which`` (default: all) has no floating (or exact rational) dtype."""
+    for i in range(len(specs)) if which is None else which:
+        dt = specs[i][1]
+        if not is_float(dt):  # exact rationals pass here; the registry then names the exact ops
+            return (
+                f"operand #{i} has dtype {dt}, expected a floating dtype; cast it first with the astype op, "
+                'e.g. tfl.astype(x, jnp.float32) or record(tape, "astype", (x,), dtype=jnp.float32)'
+            )
+    return None
+
+
+def same_dtype(specs: Sequence[Spec], what: str = "operand") -> str | None:
+    """Message if ``specs`` do not all share one dtype; ``what`` names them in the message."""
+    if len({dt for _, dt in specs}) > 1:
+        return (
+            f"{what} dtypes differ ({', '.join(fmt_spec(s) for s in specs)}); tapeflow does not promote "
+            "implicitly between different dtypes: cast them to one dtype with the astype op"
+        )
+    return None
+
+
+def float_check(specs: Sequence[Spec], which: Sequence[int] | None = None) -> str | None:
+    """Message if an operand in ``which`` (default: all) is not floating, or those operands' dtypes differ."""
+    listed = list(specs) if which is None else [specs[i] for i in which]
+    return float_operands(specs, which) or same_dtype(listed, "floating operand")
+
+
+def broadcast(specs: Sequence[Spec]) -> str | None:
+    """Message if the operands' shapes do not broadcast together (NumPy rules)."""
+    if broadcast_shapes(*(s for s, _ in specs)) is None:
+        return (
+            f"shapes {' and '.join(str(s) for s, _ in specs)} do not broadcast together: aligned from the "
+            "right, each dimension must match or be 1 (reshape or broadcast_to an operand first)"
+        )
+    return None
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (one way: ``target`` is not changed)."""
+    return len(shape) <= len(target) and broadcast_shapes(shape, target) == tuple(target)
+
+
+def _range_error(a: int, ndim: int, of: str) -> str | None:
+    """Message if axis ``a`` (negative counts from the end) is out of range for rank ``ndim``."""
+    if -ndim <= a < ndim:
+        return None
+    valid = f"valid: {-ndim}..{ndim - 1}" if ndim else "it has no axes"
+    return f"axis {a} is out of range for {of} of rank {ndim} ({valid})"
+
+
+def axis_error(axis: Any, ndim: int, of: str = "an operand") -> str | None:
+    """Message if ``axis`` is not a single int naming an axis of rank ``ndim`` (negative counts from the end)."""
+    if not is_int(axis):
+        return f"attribute axis={axis!r} must be an int"
+    return _range_error(int(axis), ndim, of)
+
+
+def axes_error(axis: Any, ndim: int, *, none_ok: bool = False, of: str = "an operand") -> str | None:
+    """Message if ``axis`` (int or tuple of ints; None = all if ``none_ok``) is not distinct axes of rank ``ndim``."""
+    if axis is None and none_ok:
+        return None
+    t = int_tuple(axis)
+    if t is None:
+        kinds = "an int, a tuple of ints or None" if none_ok else "an int or a tuple of ints"
+        return f"attribute axis={axis!r} must be {kinds}"
+    for a in t:
+        if err := _range_error(a, ndim, of):
+            return err
+    norm = [a % ndim for a in t]
+    for k in norm:
+        if norm.count(k) > 1:
+            return (
+                f"axis={t} names axis {k} more than once for {of} of rank {ndim} "
+                "(negative axes count from the end); give each axis once"
+            )
+    return None
+
+
+def norm_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    """The sorted non-negative axes named by ``axis`` (an int, a tuple of ints, or None = all) of rank ``ndim``."""
+    if err := axes_error(axis, ndim, none_ok=True):
+        raise ValueError(err)
+    return tuple(range(ndim)) if axis is None else tuple(sorted(a % ndim for a in int_tuple(axis) or ()))
