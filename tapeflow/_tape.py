@@ -306,16 +306,21 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
     # Fast path: plain in-range ids and a kernel already checked and compiled for
     # this (op, attrs, shapes, dtypes). Anything else takes the checked path.
     entry = None
+    ins: list[Node] = []
     if type(inputs) is tuple or type(inputs) is list:
-        ins = []
         for i in inputs:
             if type(i) is not int or not 0 <= i < n:
                 break
             ins.append(nodes[i])
         else:
-            akey = tuple(sorted(attrs.items())) if attrs else ()
+            if len(ins) == 2:
+                specs: tuple[R.Spec, ...] = (ins[0].spec, ins[1].spec)
+            elif len(ins) == 1:
+                specs = (ins[0].spec,)
+            else:
+                specs = tuple([nd.spec for nd in ins])
             try:
-                entry = _FWD_CACHE.get((op, akey, tuple([nd.spec for nd in ins])))
+                entry = _FWD_CACHE.get((op, tuple(sorted(attrs.items())) if attrs else (), specs))
             except TypeError:  # unhashable attribute or op name
                 entry = None
     if entry is None or entry.dtype is R.OBJECT:
