@@ -38,7 +38,7 @@ from . import _registry as R
 from ._device import resolve_device
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._tape import Tape, backward as _tape_backward, leaf, record
+from ._tape import Tape, _accum, backward as _tape_backward, leaf, record
 
 __all__ = [
     "Session",
@@ -373,7 +373,7 @@ def sum_in_leaf_order(parts: Sequence[Any]) -> Any:
     """
     g = parts[0]
     for extra in parts[1:]:
-        g = g + extra
+        g = _accum(g, extra)
     return g
 
 
