@@ -178,7 +178,6 @@ class TrainStep:
         self.trace_count = 0
         self._param_specs = dict(param_specs or {})
         self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5,))
-        self._shardings: Any = None
         # per-call fast path: the storages and the records' storage identities, cached
         self._slots_src: Any = None
         self._storages: list[Storage] = []

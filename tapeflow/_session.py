@@ -38,7 +38,7 @@ from . import _registry as R
 from ._device import resolve_device
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._tape import Tape, _accum, backward as _tape_backward, leaf, record
+from ._tape import Tape, _accum, _freeze, backward as _tape_backward, leaf, record
 
 __all__ = [
     "Session",
@@ -577,7 +577,6 @@ class Session:
         self._tape = Tape.empty(self.device)
         self._params_by_leaf: dict[int, Any] = {}
         self._storage_by_leaf: dict[int, Storage] = {}
-        self._input_ids: set[int] = set()
         self.selected_backends: list[tuple[str, str]] = []
         self._backend_seen: set[str] = set()
         self._rational_warned = False
@@ -702,7 +701,6 @@ class Session:
         if isinstance(x, Tensor):
             x = _check_handle(x, self)._tape[x.id].value
         h = self._commit_leaf(self._prepare_value(x), requires_grad)
-        self._input_ids.add(h.id)
         return h
 
     def const(self, x: Any) -> Tensor:
@@ -789,9 +787,13 @@ class Session:
         try:
             hash(akey)
         except TypeError:
-            from ._tape import _freeze
-
             akey = _freeze(attrs)
+            try:
+                hash(akey)
+            except TypeError as e:
+                raise TapeError(
+                    f"{opname}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
+                ) from None
         if opname not in R.REGISTRY:
             raise TapeError(f"unknown op {opname!r}")
         entry = R.get_fwd(opname, akey, tuple(specs))
@@ -823,8 +825,6 @@ class Session:
         return self._handle(r.value)
 
     def _constant(self, o: Any, ref_dtype: Any, opname: str) -> Any:
-        if isinstance(o, Tensor):  # pragma: no cover - handled by caller
-            raise AssertionError
         if isinstance(o, (bool, int, float)) and not isinstance(o, np.ndarray):
             if ref_dtype is not None and ref_dtype == R.OBJECT:
                 from fractions import Fraction
@@ -934,7 +934,6 @@ class Session:
         self._tape = Tape.empty(self.device)
         self._params_by_leaf = {}
         self._storage_by_leaf = {}
-        self._input_ids = set()
         self._generation += 1
 
     def _release_intermediates(self) -> None:
