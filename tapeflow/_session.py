@@ -678,6 +678,10 @@ class Session:
                 return x
             if len(devs) > 1:  # sharded input: keep its sharding
                 return x
+        if self._default_device:
+            # Uncommitted on the default device, like parameter values created with jnp:
+            # kernels then see one placement for every operand and compile once.
+            return jnp.asarray(x)
         return jax.device_put(x, self.device)
 
     def _warn_rational(self) -> None:
