@@ -431,7 +431,7 @@ class Grads(Mapping[Any, Any]):
         """The summed gradient of ``group`` (the leaf's own array for a singleton)."""
         self._check_live()
         if len(group.leaves) == 1:
-            return self.by_leaf.get(group.leaves[0]) if group.leaves[0] in self.by_leaf else None
+            return self.by_leaf.get(group.leaves[0])
         got = self._sums.get(group.id)
         if got is None:
             parts = [self.by_leaf[i] for i in group.leaves if i in self.by_leaf]
@@ -667,22 +667,15 @@ class Session:
 
     # -- leaves ----------------------------------------------------------------
     def _prepare_value(self, x: Any) -> Any:
+        """Session policy for a value entering the tape; ``leaf`` does the placement itself."""
         if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
             self._warn_rational()
             return x
-        if isinstance(x, jax.core.Tracer):
-            return x
-        if isinstance(x, jax.Array):
-            devs = x.devices()
-            if len(devs) == 1 and self.device in devs:
-                return x
-            if len(devs) > 1:  # sharded input: keep its sharding
-                return x
-        if self._default_device:
+        if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
             # Uncommitted on the default device, like parameter values created with jnp:
             # kernels then see one placement for every operand and compile once.
-            return jnp.asarray(x)
-        return jax.device_put(x, self.device)
+            return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
+        return x  # a jax.Array (or tracer): leaf() moves it if needed, keeping sharded arrays as they are
 
     def _warn_rational(self) -> None:
         if not self._rational_warned:

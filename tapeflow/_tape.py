@@ -241,8 +241,10 @@ def _as_value(value: Any, device: jax.Device | None) -> Any:
     if isinstance(value, jax.core.Tracer):
         return value
     if device is not None:
-        if isinstance(value, jax.Array) and value.devices() == {device}:
-            return value
+        if isinstance(value, jax.Array):
+            devs = value.devices()
+            if devs == {device} or len(devs) > 1:  # already there, or sharded: keep its sharding
+                return value
         return jax.device_put(value, device)
     if isinstance(value, jax.Array):
         return value

@@ -96,3 +96,29 @@ def test_non_default_cpu_device_in_subprocess():
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "DEVICES-OK" in proc.stdout
+
+
+SHARDED_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, tapeflow as tfl
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    x = jax.device_put(jnp.arange(8.0).reshape(4, 2), sharding)
+    s = tfl.Session()
+    h = s.input(x, requires_grad=True)
+    assert h.value.sharding == sharding, h.value.sharding   # kept, not gathered onto one device
+    g = s.backward(tfl.sum(h * h))
+    np.testing.assert_allclose(np.asarray(g[h]), 2 * np.arange(8.0).reshape(4, 2))
+    print("SHARDED-OK")
+    """
+)
+
+
+def test_sharded_input_keeps_its_sharding_in_an_eager_session():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "SHARDED-OK" in proc.stdout
