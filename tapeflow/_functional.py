@@ -28,7 +28,7 @@ import numpy as np
 from . import _registry as R
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._session import Session, Tensor, group_parameter_leaves, sum_in_leaf_order
+from ._session import Session, Tensor, sum_in_leaf_order
 
 __all__ = ["value_and_grad", "train_step", "TrainStep", "param_values"]
 
@@ -76,18 +76,21 @@ def _trace_loss(
     return s, loss, aux
 
 
-def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> list[Any]:
-    """Backward, then one gradient per storage: leaf cotangents summed in leaf order (zeros if unused)."""
+def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> tuple[list[Any], tuple[bool, ...]]:
+    """Backward, then one gradient per storage (leaf cotangents summed in leaf order).
+
+    Also returns which storages the recording used; an unused one gets zeros.
+    """
     grads = s.backward(loss)
     by_storage: dict[int, Any] = {}
-    for g in group_parameter_leaves(s._trainable_params(), s._storage_by_leaf):
+    for g in grads.groups:
         if g.storage is not None:
             by_storage[id(g.storage)] = sum_in_leaf_order([grads.by_leaf[i] for i in g.leaves])
     out = []
     for st in storages:
         v = by_storage.get(id(st))
         out.append(jnp.zeros(st.shape, st.dtype) if v is None else v)
-    return out
+    return out, tuple(id(st) in by_storage for st in storages)
 
 
 def _leaf_path(params: Any, i: int) -> str:
@@ -141,7 +144,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
         storages = [p.storage for p in leaves]
         overrides = {id(p.storage): p.value for p in leaves}
         s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
-        gl = _storage_grads(s, loss, storages)
+        gl, _ = _storage_grads(s, loss, storages)
         value = s._tape[loss.id].value
         grads = jax.tree_util.tree_unflatten(treedef, gl)
         return ((value, aux), grads) if has_aux else (value, grads)
@@ -203,9 +206,7 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = {id(st): v for st, v in zip(storages, values)}
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
-        used_ids = {id(g.storage) for g in s.parameter_groups() if g.storage is not None}
-        used = tuple(id(st) in used_ids for st in storages)
-        grads = _storage_grads(s, loss, storages)
+        grads, used = _storage_grads(s, loss, storages)
         new_vals, new_state = opt._update_fn(used)(grads, state, values)
         for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
             if tuple(v.shape) != st.shape or np.dtype(v.dtype) != st.dtype:
