@@ -16,15 +16,9 @@ from ._optim import Optimizer
 from ._checkpoint import CheckpointError, restore, save
 from ._functional import TrainStep, param_values, train_step, value_and_grad
 from ._params import Param, Storage, canonical_indices, tie
-from ._session import (
-    Grads,
-    ParameterGroup,
-    RationalFallbackWarning,
-    Session,
-    Tensor,
-    apply,
-    current_session,
-)
+from ._grads import Grads, ParameterGroup
+from ._session import RationalFallbackWarning, Session
+from ._tensor import Tensor, apply, current_session, last_recorded_session
 from ._functions import *  # noqa: F403
 from ._functions import __all__ as _fn_all
 from . import nn  # noqa: E402
@@ -51,6 +45,7 @@ __all__ = _fn_all + [
     "apply",
     "canonical_indices",
     "current_session",
+    "last_recorded_session",
     "tie",
     "Node",
     "Ok",

@@ -28,7 +28,8 @@ import numpy as np
 from . import _registry as R
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._session import Session, Tensor, sum_in_leaf_order
+from ._session import Session
+from ._tensor import Tensor
 
 __all__ = ["value_and_grad", "train_step", "TrainStep", "param_values"]
 
@@ -47,19 +48,15 @@ def param_values(params: Any) -> Any:
     return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
 
 
-def _functional_session(overrides: dict[int, Any], key: Any) -> Session:
-    s = Session(device=None, seed=0)
-    s._overrides = overrides
-    if key is not None:
-        s._base_key = key
-    return s
+def _functional_session(overrides: dict[Storage, Any], key: Any) -> Session:
+    return Session(device=None, seed=0, param_values=overrides, rng_key=key)
 
 
 def _trace_loss(
-    loss_fn: Callable[..., Any], has_aux: bool, overrides: dict[int, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    loss_fn: Callable[..., Any], has_aux: bool, overrides: dict[Storage, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Session, Tensor, Any]:
     s = _functional_session(overrides, key)
-    with s._as_current():
+    with s.as_current():
         out = loss_fn(s, *args, **kwargs)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -81,16 +78,9 @@ def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> tuple[l
 
     Also returns which storages the recording used; an unused one gets zeros.
     """
-    grads = s.backward(loss)
-    by_storage: dict[int, Any] = {}
-    for g in grads.groups:
-        if g.storage is not None:
-            by_storage[id(g.storage)] = sum_in_leaf_order([grads.by_leaf[i] for i in g.leaves])
-    out = []
-    for st in storages:
-        v = by_storage.get(id(st))
-        out.append(jnp.zeros(st.shape, st.dtype) if v is None else v)
-    return out, tuple(id(st) in by_storage for st in storages)
+    summed = s.backward(loss).storage_gradients(storages)
+    out = [jnp.zeros(st.shape, st.dtype) if v is None else v for st, v in zip(storages, summed)]
+    return out, tuple(v is not None for v in summed)
 
 
 def _leaf_path(params: Any, i: int) -> str:
@@ -142,7 +132,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
                     f"({leaves[c]!r}, {leaves[i]!r}) share one storage; pass each storage once (tied records resolve to it)"
                 )
         storages = [p.storage for p in leaves]
-        overrides = {id(p.storage): p.value for p in leaves}
+        overrides = {p.storage: p.value for p in leaves}
         s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
         gl, _ = _storage_grads(s, loss, storages)
         value = s._tape[loss.id].value
@@ -204,7 +194,7 @@ class TrainStep:
         opt = self.optimizer
         storages = opt.params
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
-        overrides = {id(st): v for st, v in zip(storages, values)}
+        overrides = dict(zip(storages, values))
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
         grads, used = _storage_grads(s, loss, storages)
         new_vals, new_state = opt._update_fn(used)(grads, state, values)

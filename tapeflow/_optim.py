@@ -30,7 +30,7 @@ import optax
 from . import _registry as R
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
-from ._session import Grads, _release, sum_in_leaf_order
+from ._grads import Grads, release_arrays, sum_in_leaf_order
 
 __all__ = ["Optimizer"]
 
@@ -304,7 +304,7 @@ class Optimizer:
             fn = self._update_fn(used)
             new_vals, new_state = fn(slot_grads, self.state, values)
         finally:
-            _release(temps)
+            release_arrays(temps)
             if isinstance(grads, Grads):
                 grads.consume(mine)  # frees what this step used; all of it once every group is used
         for k, st in enumerate(self._slot_storages):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._tensor import TensorOps
 
 __all__ = ["Storage", "Param", "tie", "canonical_indices"]
 
@@ -137,7 +138,7 @@ def _device_of(x: Any) -> jax.Device | None:
     return None
 
 
-class Param:
+class Param(TensorOps):
     """A trainable (or frozen) parameter: a named record pointing at a :class:`Storage`.
 
     Every use of a ``Param`` in a session op records a new leaf holding the value
@@ -151,7 +152,6 @@ class Param:
     """
 
     __slots__ = ("storage", "name", "trainable", "_bound", "__weakref__")
-    __array_priority__ = 1000
 
     def __init__(self, value: Any, name: str | None = None, trainable: bool = True) -> None:
         self.storage = Storage(value)

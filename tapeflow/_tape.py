@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._checks import is_int
 from ._device import resolve_device
 from ._result import Err, Ok, TapeError
 
@@ -134,7 +135,7 @@ class Tape:
         return self._n
 
     def __getitem__(self, i: int) -> Node:
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < self._n:
+        if not is_int(i) or not 0 <= i < self._n:
             raise IndexError(f"node id {i!r} is out of range for a tape of {self._n} node(s)")
         return self._buf.nodes[i]
 
@@ -281,7 +282,7 @@ def _operands_note(tape: Tape, inputs: Any) -> str:
     """`` (operands: ...)`` for an error message, or ``""`` when ``inputs`` are not all node ids."""
     try:
         ids = tuple(inputs)
-        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        if not all(is_int(i) for i in ids):
             return ""
         return f" (operands: {R.describe(tuple(tape[i].spec for i in ids))})"
     except Exception:
@@ -332,7 +333,17 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
         ids, ins, entry = checked
     else:
         ids = tuple(inputs)
-    # run the kernel and append its output node
+    return append_op(tape, op, entry, ids, ins)
+
+
+def append_op(tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node]) -> tuple[Tape, Ok[int] | Err]:
+    """Run a checked kernel on the nodes ``ins`` (ids ``ids``) and append its output node.
+
+    ``entry`` comes from :func:`check_op` for exactly these operand specs. Only a
+    failure of the kernel itself is left to report, as an ``Err`` with ``tape``
+    unchanged.
+    """
+    n = tape._n
     try:
         if len(ins) == 2:
             out = entry.fn(ins[0].value, ins[1].value)
@@ -363,7 +374,7 @@ def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tup
     """Every check of ``record``, with a readable error for each failure."""
     d = R.REGISTRY.get(op) if isinstance(op, str) else None
     if d is None:
-        return Err(f"unknown op {op!r}{_operands_note(tape, inputs)}; registered ops: {', '.join(R.ops())}")
+        return Err(_unknown_op(op, _operands_note(tape, inputs)))
     nodes = tape._buf.nodes
     n = tape._n
     try:
@@ -372,7 +383,7 @@ def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tup
         return Err(f"{op}: inputs must be a sequence of node ids, got {type(inputs).__name__}")
     for i in ids:
         if type(i) is not int or not 0 <= i < n:
-            if isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= int(i) < n:
+            if is_int(i) and 0 <= int(i) < n:
                 continue
             return Err(
                 f"{op}: operand {i!r} is not a node id of this tape (valid ids are 0..{n - 1})"
@@ -381,7 +392,31 @@ def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tup
             )
     ids = tuple(int(i) for i in ids)
     ins = [nodes[i] for i in ids]
-    specs = tuple([nd.spec for nd in ins])
+    entry = check_op(op, attrs, tuple([nd.spec for nd in ins]))
+    if type(entry) is str:
+        return Err(entry)
+    return ids, ins, entry
+
+
+def _unknown_op(op: object, operands_note: str) -> str:
+    return f"unknown op {op!r}{operands_note}; registered ops: {', '.join(R.ops())}"
+
+
+def check_op(op: str, attrs: dict[str, Any], specs: tuple[R.Spec, ...]) -> R.FwdEntry | str:
+    """The one check of an op application: name, attributes and operand specs.
+
+    Returns the checked, compiled kernel entry, or the complete error message
+    (naming the op, the problem, the fix and the operands). ``record`` and
+    :meth:`Session.apply <tapeflow.Session.apply>` both call it, so an op is
+    checked once and its errors read the same on both paths.
+
+    >>> import numpy as np
+    >>> check_op("add", {}, (((2,), np.dtype("float32")), ((3,), np.dtype("float32")))).split(":")[0]
+    'add'
+    """
+    d = R.REGISTRY.get(op) if isinstance(op, str) else None
+    if d is None:
+        return _unknown_op(op, f" (operands: {R.describe(specs)})")
     if attrs:
         akey: tuple[tuple[str, Any], ...] = tuple(sorted(attrs.items()))
         try:
@@ -391,16 +426,13 @@ def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tup
             try:
                 hash(akey)
             except TypeError as e:
-                return Err(
-                    f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
-                )
+                return f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
     else:
         akey = ()
     entry = R.get_fwd(op, akey, specs)
     if type(entry) is str:
-        return Err(f"{op}: {entry} (operands: {R.describe(specs)})")
-    assert isinstance(entry, R.FwdEntry)
-    return ids, ins, entry
+        return f"{op}: {entry} (operands: {R.describe(specs)})"
+    return entry
 
 
 _FWD_CACHE = R._FWD_CACHE
@@ -477,7 +509,7 @@ def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None 
     if type(root) is not int:
         if isinstance(root, Ok):
             root = root.value
-        elif isinstance(root, (int, np.integer)) and not isinstance(root, bool):
+        elif is_int(root):
             root = int(root)
         else:
             raise TapeError(f"backward: root must be a node id (int), got {root!r}")
@@ -510,7 +542,7 @@ def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None 
     if wrt is not None:
         want = set()
         for w in wrt:
-            if not isinstance(w, (int, np.integer)) or not 0 <= int(w) < n:
+            if not is_int(w) or not 0 <= int(w) < n:
                 raise TapeError(f"backward: wrt id {w!r} is out of range for a tape of {n} node(s)")
             want.add(int(w))
     result: dict[int, Any] = {}

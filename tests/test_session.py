@@ -8,6 +8,7 @@ pass written out by hand with NumPy object arrays of ``Fraction``.
 from __future__ import annotations
 
 import gc
+import weakref
 import threading
 import warnings
 from fractions import Fraction
@@ -1029,21 +1030,19 @@ class TestReset:
         loss = (y * y).sum()
         with s.backward(loss) as g:
             gp = np.asarray(g[p])
-        nodes = list(s.tape)  # the nodes, not the Tape value: the tape still owns their values
-        op_nodes = [nd for nd in nodes if nd.op is not None]
-        leaf_nodes = [nd for nd in nodes if nd.op is None]
-        del nodes
+        # weak references only: the session owns what it recorded, the test keeps nothing alive
+        op_refs = [weakref.ref(nd.value) for nd in s.tape if nd.op is not None]
+        leaf_values = [nd.value for nd in s.tape if nd.op is None]
         s.reset()
         assert not user.is_deleted() and np.array_equal(np.asarray(user), user_np)
         assert not const_arr.is_deleted()
         assert not p.value.is_deleted() and p.value is p_val
         if p.storage.mirror is not None:
             assert not p.storage.mirror.is_deleted()
-        for nd in leaf_nodes:
-            assert not nd.value.is_deleted()
+        assert all(not v.is_deleted() for v in leaf_values)
         assert not kept_value.is_deleted()
-        freed = [nd for nd in op_nodes if nd.value.is_deleted()]
-        assert len(freed) == len(op_nodes) - 1  # every intermediate except the one kept
+        alive = [ref() for ref in op_refs if ref() is not None]
+        assert len(op_refs) == 8 and alive == [kept_value]  # every intermediate freed except the one kept
         # the params still work in a new recording
         x = s.input(user, requires_grad=True)
         loss = (tfl.relu(x @ p) * const_arr) ** 2.0

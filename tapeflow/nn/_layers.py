@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _functions as F
+from .._checks import int_pair, is_int
 from .._params import Param, tie
-from .._session import Tensor
+from .._tensor import Tensor
 from ._module import Module
 
 __all__ = [
@@ -155,7 +156,7 @@ class LayerNorm(Module):
     """
 
     def __init__(self, shape: int | Sequence[int], eps: float = 1e-5, *, elementwise_affine: bool = True, dtype: Any = jnp.float32) -> None:
-        self.shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        self.shape = (int(shape),) if is_int(shape) else tuple(int(d) for d in shape)
         self.eps = float(eps)
         if elementwise_affine:
             self.weight: Param | None = Param(jnp.ones(self.shape, dtype), name="weight")
@@ -197,13 +198,6 @@ class Dropout(Module):
         return f"rate={self.rate}"
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    if isinstance(v, (int, np.integer)):
-        return int(v), int(v)
-    a, b = v
-    return int(a), int(b)
-
-
 class Conv2d(Module):
     """2-D convolution over NCHW input with an OIHW ``weight`` and optional ``bias`` (out_ch,).
 
@@ -235,7 +229,10 @@ class Conv2d(Module):
         _check_key(key, "Conv2d")
         self.in_channels = int(in_channels)
         self.out_channels = int(out_channels)
-        self.kernel_size = _pair(kernel_size)
+        k = int_pair(kernel_size)
+        if k is None or min(k) < 1:
+            raise ValueError(f"Conv2d: kernel_size={kernel_size!r} must be a positive int or a pair of them")
+        self.kernel_size = k
         self.stride = stride
         self.padding = padding
         self.dilation = dilation

@@ -1,0 +1,267 @@
+"""Gradients of one recording: parameter groups, per-storage sums, and buffer ownership.
+
+This module is **the one home** of the tied-weight rule: the cotangents of all
+leaves that share one :class:`~tapeflow.Storage` are summed in recording order
+by :func:`sum_in_leaf_order`. ``grads[param]``, :meth:`Grads.storage_gradients`
+(used by :func:`~tapeflow.value_and_grad` and :func:`~tapeflow.train_step`) and
+:class:`~tapeflow.Optimizer` all reach it through :meth:`Grads.group_gradient`,
+so their sums are bit-identical.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.array(2.0), name="w")
+>>> w2 = tfl.tie(w, name="w2")
+>>> with tfl.Session() as s:
+...     g = s.backward(w * 3.0 + w2 * 4.0)     # two leaves, one storage
+...     float(g[w]), [len(grp.leaves) for grp in g.groups]
+(7.0, [2])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._params import Param, Storage, canonical_indices
+from ._result import TapeError
+from ._tape import _accum
+from ._tensor import Tensor
+from ._typing import Array, NodeId
+
+__all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "release_arrays", "sum_in_leaf_order"]
+
+ParameterRecord = Any
+"""What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterGroup:
+    """The trainable parameter leaves of one recording that share one storage.
+
+    ``id`` is the first leaf (the optimizer key), ``leaves`` are in recording
+    order, ``parameter`` is the record used at the first leaf, ``storage`` its
+    storage (None for a registration without a storage descriptor).
+    """
+
+    id: int
+    parameter: Any
+    leaves: tuple[int, ...]
+    storage: Storage | None
+
+    @property
+    def shared(self) -> bool:
+        return len(self.leaves) > 1
+
+
+def group_parameter_leaves(params_by_leaf: Mapping[int, Any], storage_by_leaf: Mapping[int, Storage]) -> list[ParameterGroup]:
+    """Group registrations by storage identity, in recording order, without reading tensor data.
+
+    Registrations without a storage descriptor stay separate groups.
+    """
+    leaf_ids = sorted(params_by_leaf)
+    canon = canonical_indices([storage_by_leaf.get(i) for i in leaf_ids])
+    members: dict[int, list[int]] = {}
+    order: list[int] = []
+    for pos, c in enumerate(canon):
+        key = pos if c is None else c
+        if key not in members:
+            members[key] = []
+            order.append(key)
+        members[key].append(leaf_ids[pos])
+    groups = []
+    for key in order:
+        leaves = members[key]
+        first = leaves[0]
+        groups.append(ParameterGroup(first, params_by_leaf[first], tuple(leaves), storage_by_leaf.get(first)))
+    return groups
+
+
+def sum_in_leaf_order(parts: Sequence[Any]) -> Any:
+    """Sum the cotangents of one storage's leaves in recording order.
+
+    A single cotangent is returned as the very same array (no copy, no add). The
+    optimizer and ``grads[param]`` both use this, so their sums are bit-identical.
+    """
+    g = parts[0]
+    for extra in parts[1:]:
+        g = _accum(g, extra)
+    return g
+
+
+def release_arrays(arrays: Sequence[Array], keep: Sequence[Array] = ()) -> int:
+    """Delete device buffers of ``arrays`` (skipping those in ``keep``); returns how many."""
+    n = 0
+    keep_ids = {id(k) for k in keep}
+    for a in arrays:
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and id(a) not in keep_ids:
+            try:
+                if not a.is_deleted():
+                    a.delete()
+                    n += 1
+            except Exception:
+                pass
+    return n
+
+
+class Grads(Mapping[Any, Any]):
+    """The result of :meth:`Session.backward`.
+
+    * ``grads[param]``: the gradient of a :class:`Param`, summed over every leaf
+      of its storage in recording order (a singleton is handed through as the
+      very same array).
+    * ``grads[tensor]`` / ``grads[node_id]``: the raw cotangent of one leaf.
+    * ``grads.groups``: the :class:`ParameterGroup` s of the recording.
+
+    It owns its buffers: use it as a context manager (or call :meth:`release`)
+    to free them; releasing twice is safe.
+    """
+
+    def __init__(
+        self,
+        by_leaf: dict[int, Any],
+        groups: list[ParameterGroup],
+        owner: int,
+        generation: int,
+        keep: Sequence[Any] = (),
+    ) -> None:
+        self.by_leaf = by_leaf
+        self.groups = groups
+        self.owner = owner
+        self.generation = generation
+        self._group_of_storage: dict[int, ParameterGroup] = {}
+        for g in groups:
+            if g.storage is not None:
+                self._group_of_storage[id(g.storage)] = g
+        self._sums: dict[int, Any] = {}
+        self._keep = list(keep)
+        self._param_leaves = {i for g in groups for i in g.leaves}
+        self.released = False
+
+    # -- gradient per group ----------------------------------------------------
+    def group_gradient(self, group: ParameterGroup) -> Any:
+        """The summed gradient of ``group`` (the leaf's own array for a singleton)."""
+        self._check_live()
+        if len(group.leaves) == 1:
+            return self.by_leaf.get(group.leaves[0])
+        got = self._sums.get(group.id)
+        if got is None:
+            parts = [self.by_leaf[i] for i in group.leaves if i in self.by_leaf]
+            if not parts:
+                return None
+            got = sum_in_leaf_order(parts)
+            self._sums[group.id] = got
+        return got
+
+    def group_of(self, key: Param | Storage) -> ParameterGroup | None:
+        """The parameter group of ``key``'s storage in this recording, or None if it was not used."""
+        return self._key_to_group(key)
+
+    def storage_gradients(self, storages: Sequence[Storage]) -> list[Array | None]:
+        """One summed gradient per storage, in the order given (None: the recording did not use it).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> a, b = tfl.Param(jnp.array(1.0)), tfl.Param(jnp.array(1.0))
+        >>> with tfl.Session() as s:
+        ...     g = s.backward(a * 2.0 + tfl.tie(a) * 3.0)
+        ...     [None if v is None else float(v) for v in g.storage_gradients([a.storage, b.storage])]
+        [5.0, None]
+        """
+        out: list[Array | None] = []
+        for st in storages:
+            g = self._group_of_storage.get(id(st))
+            out.append(None if g is None else self.group_gradient(g))
+        return out
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise TapeError("these gradients were released (Grads.release() or the end of its with block); run backward again")
+
+    def _key_to_group(self, key: Any) -> ParameterGroup | None:
+        if isinstance(key, Param):
+            return self._group_of_storage.get(id(key.storage))
+        if isinstance(key, Storage):
+            return self._group_of_storage.get(id(key))
+        return None
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check_live()
+        if isinstance(key, (Param, Storage)):
+            g = self._key_to_group(key)
+            val = None if g is None else self.group_gradient(g)
+            if val is None:
+                raise KeyError(
+                    f"{key!r} was not used as a trainable parameter in this recording, so it has no gradient; "
+                    "grads.get(param) returns None instead of raising"
+                )
+            return val
+        if isinstance(key, Tensor):
+            if key._owner != self.owner or key._generation != self.generation:
+                raise KeyError(f"{key!r} does not belong to the recording these gradients came from")
+            key = key.id
+        if isinstance(key, (int, np.integer)) and int(key) in self.by_leaf:
+            return self.by_leaf[int(key)]
+        raise KeyError(f"no gradient for {key!r}: it is not a leaf that requires grad and was reached from the loss")
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[int]:
+        self._check_live()
+        return iter(self.by_leaf)
+
+    def __len__(self) -> int:
+        self._check_live()
+        return len(self.by_leaf)
+
+    def params(self) -> list[tuple[Any, Any]]:
+        """``(parameter, gradient)`` for each group, in recording order."""
+        out = []
+        for g in self.groups:
+            v = self.group_gradient(g)
+            if v is not None:
+                out.append((g.parameter, v))
+        return out
+
+    def consume(self, groups: Sequence[ParameterGroup]) -> None:
+        """Free the buffers of ``groups`` (an optimizer has used them).
+
+        Once every parameter group is consumed the whole object is released, so
+        two optimizers over disjoint parameters can share one ``Grads``.
+        """
+        if self.released:
+            return
+        arrays = []
+        for g in groups:
+            arrays += [self.by_leaf.pop(i) for i in g.leaves if i in self.by_leaf]
+            if g.id in self._sums:
+                arrays.append(self._sums.pop(g.id))
+            self._param_leaves.difference_update(g.leaves)
+        release_arrays(arrays, keep=self._keep)
+        if not self._param_leaves:
+            self.release()
+
+    def release(self) -> None:
+        """Free the device buffers these gradients own (idempotent)."""
+        if self.released:
+            return
+        self.released = True
+        release_arrays(list(self.by_leaf.values()) + list(self._sums.values()), keep=self._keep)
+        self.by_leaf = {}
+        self._sums = {}
+
+    def __enter__(self) -> Grads:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self.by_leaf)} leaves, {len(self.groups)} parameter groups"
+        return f"Grads({state})"
