@@ -1,0 +1,115 @@
+"""The shape of the codebase: imports point one way, modules stay small, the compiled step uses public seams.
+
+``docs/architecture.md`` describes the layers checked here; a change that
+needs an import against the arrow belongs in a lower module.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "tapeflow"
+
+# Lower layers never import higher ones (same layer: no imports between them either).
+LAYERS: list[list[str]] = [
+    ["_typing", "_result", "_device"],
+    ["_registry"],
+    ["_checks"],
+    ["_ops_math", "_ops_shape", "_ops_nn"],
+    ["_tape"],
+    ["_tensor"],
+    ["_params"],
+    ["_grads", "_random"],
+    ["_session"],
+    ["_functions"],
+    ["_optim"],
+    ["_functional"],
+    ["_checkpoint"],
+    ["nn"],
+    ["__init__"],
+]
+LAYER_OF = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The tapeflow modules ``path`` imports at run time (``if TYPE_CHECKING:`` blocks excluded)."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    in_nn = path.parent.name == "nn"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip or not isinstance(node, ast.ImportFrom):
+            continue
+        level = node.level - (1 if in_nn else 0)
+        if node.level == 0:
+            if not (node.module or "").startswith("tapeflow"):
+                continue
+            parts = (node.module or "").split(".")[1:]
+        elif level <= 0:
+            continue  # a relative import inside tapeflow.nn
+        else:
+            parts = (node.module or "").split(".") if node.module else []
+        if parts and parts[0]:
+            out.add(parts[0])
+        else:
+            out.update(a.name for a in node.names)
+    return out
+
+
+SOURCES = sorted(p for p in PKG.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_point_one_way(path: Path) -> None:
+    me = _module_name(path)
+    assert me in LAYER_OF, f"{me} is not placed in a layer: add it to LAYERS here and to docs/architecture.md"
+    for dep in sorted(_runtime_imports(path) - {me}):
+        if dep not in LAYER_OF:
+            continue
+        assert LAYER_OF[dep] < LAYER_OF[me] or me == "__init__", (
+            f"tapeflow/{path.relative_to(PKG)} ({me}, layer {LAYER_OF[me]}) imports {dep} (layer {LAYER_OF[dep]}); "
+            "imports must point to lower layers (see docs/architecture.md)"
+        )
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PKG)))
+def test_no_module_over_600_lines(path: Path) -> None:
+    n = len(path.read_text().splitlines())
+    assert n <= 600, f"tapeflow/{path.relative_to(PKG)} has {n} lines; split it along its jobs"
+
+
+def test_every_module_is_in_the_architecture_page() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = sorted({_module_name(p) for p in SOURCES} - {"__init__"} - set(re.findall(r"`([\w]+)(?:\.py|/)`", page)))
+    assert not missing, f"docs/architecture.md does not describe: {missing}"
+
+
+def test_compiled_step_uses_only_public_members_of_other_classes() -> None:
+    """``TrainStep`` and ``value_and_grad`` reach sessions, optimizers and storages through public seams."""
+    src = (PKG / "_functional.py").read_text()
+    tree = ast.parse(src)
+    offenders = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if owner != "self":
+                offenders.append(f"line {node.lineno}: {owner}.{node.attr}")
+    assert not offenders, "private members of other objects used in _functional.py:\n" + "\n".join(offenders)
+
+
+def test_no_star_imports_in_the_package() -> None:
+    for path in SOURCES:
+        assert "import *" not in path.read_text(), f"tapeflow/{path.relative_to(PKG)} uses import *"
