@@ -29,33 +29,48 @@ state and RNG counter untouched.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import shutil
-import sys
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    NamedTuple,
+    Protocol,
+    TypeAlias,
+    cast,
+)
 
 import jax
 import numpy as np
 
 from . import _registry as R
+from ._checkpoint_meta import (
+    CheckpointError,
+    CheckpointMeta,
+    LeafEntry,
+    OptimizerEntry,
+    ParamEntry,
+    SessionEntry,
+    StorageEntry,
+    bad_meta,
+)
 from ._params import Param, _device_of, canonical_indices
+
+if TYPE_CHECKING:
+    from ._optim import Optimizer
+    from ._session import Session
 
 __all__ = ["CheckpointError", "save", "restore"]
 
-FORMAT = "tapeflow.checkpoint"
-VERSION = 1
 _PARAMS = "params"
 _OPT = "opt_state"
 _META = "meta"
 _ORBAX_MARKER = "_CHECKPOINT_METADATA"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint could not be saved or restored; nothing was installed."""
 
 
 # --------------------------------------------------------------------------- orbax
@@ -69,30 +84,6 @@ def _ocp() -> Any:
             "tapeflow checkpoints need orbax-checkpoint; install it with `pip install orbax-checkpoint`"
         ) from e
     return ocp
-
-
-class _QuietUnraisable:
-    """Swallow the 'Exception ignored in <coroutine ...>' noise orbax leaves after a failed read."""
-
-    def __enter__(self) -> None:
-        self._old = sys.unraisablehook
-
-        def hook(u: Any) -> None:
-            obj = u.object
-            if type(obj).__name__ == "coroutine" and "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", ""):
-                return
-            if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
-                return  # a TensorStore callback into orbax's finished event loop
-            self._old(u)
-
-        sys.unraisablehook = hook
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        try:
-            if exc_type is not None:  # the abandoned coroutines are collected (and reported) here
-                gc.collect()
-        finally:
-            sys.unraisablehook = self._old
 
 
 def _short(e: BaseException) -> str:
@@ -114,6 +105,18 @@ def _checkpointer() -> Any:
 
 
 # --------------------------------------------------------------------------- collecting
+
+
+class _HasRecords(Protocol):
+    def parameter_records(self) -> Iterable[tuple[str, Param]]: ...
+
+
+class _HasNamedParameters(Protocol):
+    def named_parameters(self) -> Iterable[tuple[str, Param]]: ...
+
+
+ParamSource: TypeAlias = "Param | Mapping[str, Param] | Iterable[Param] | _HasRecords | _HasNamedParameters"
+StrPath: TypeAlias = "str | os.PathLike[str]"
 
 
 def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param], bool]:
@@ -161,8 +164,9 @@ def _spec_str(shape: Any, dtype: Any) -> str:
     return R.fmt_spec((tuple(shape), np.dtype(dtype)))
 
 
-def _dtype_name(dt: Any) -> str:
-    return np.dtype(dt).name
+def _layout(regs: list[Param]) -> tuple[int, ...]:
+    """The alias layout of parameter registrations (never None: every Param has a storage)."""
+    return tuple(cast("list[int]", canonical_indices([p.storage for p in regs])))
 
 
 def _digest(a: Any) -> str:
@@ -218,7 +222,10 @@ def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
 # --------------------------------------------------------------------------- save
 
 
-def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any = None, *, overwrite: bool = False) -> None:
+def save(
+    path: StrPath, params_or_module: ParamSource, optimizer: Optimizer | None = None, session: Session | None = None, *,
+    overwrite: bool = False,
+) -> None:
     """Write a checkpoint directory at ``path`` (atomically).
 
     ``params_or_module``: a sequence of :class:`~tapeflow.Param` registrations
@@ -241,7 +248,7 @@ def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any =
     ([1.0, 1.0], 1)
     >>> tfl.restore(d, [w2, tfl.Param(jnp.zeros(2))])
     Traceback (most recent call last):
-    tapeflow._checkpoint.CheckpointError: checkpoint at ... has 1 parameter registrations, the destination has 2; ...
+    tapeflow.CheckpointError: checkpoint at ... has 1 parameter registrations, the destination has 2; ...
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)
@@ -256,20 +263,20 @@ def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any =
                 "choose another path or remove it yourself"
             )
 
-    layout = canonical_indices([p.storage for p in regs])
-    arrays: dict[str, dict[str, Any]] = {_PARAMS: {}, _OPT: {}}
+    layout = _layout(regs)
+    arrays: dict[str, dict[str, jax.Array | np.ndarray]] = {_PARAMS: {}, _OPT: {}}
     registrations = []
     for i, (n, p) in enumerate(zip(names, regs)):
         _check_not_rational(p.dtype, _reg_label(i, names))
-        registrations.append({"name": n, "shape": list(p.shape), "dtype": _dtype_name(p.dtype)})
-    storages = []
+        registrations.append(ParamEntry(n, tuple(p.shape), np.dtype(p.dtype)))
+    storages: list[StorageEntry] = []
     for i, p in enumerate(regs):
         if layout[i] != i:
             continue
         key = f"param_{len(storages)}"
         v = p.storage.read_host()
         arrays[_PARAMS][key] = v
-        storages.append({"key": key, "registration": i, "digest": _digest(v)})
+        storages.append(StorageEntry(key, i, _digest(v)))
 
     opt_meta = None
     if optimizer is not None:
@@ -282,34 +289,17 @@ def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any =
             _check_not_rational(a.dtype, f"optimizer state leaf {j}")
             key = f"opt_{j}"
             arrays[_OPT][key] = a
-            leaf_meta.append(
-                {"key": key, "path": kp, "shape": list(np.shape(a)), "dtype": _dtype_name(a.dtype), "digest": _digest(a)}
-            )
-        opt_meta = {
-            "treedef": str(treedef),
-            "leaves": leaf_meta,
-            "alias_layout": optimizer.alias_layout,
-            "slot_registrations": slot_regs,
-        }
-
-    sess_meta = None
-    if session is not None:
-        sess_meta = {"seed": int(session.seed), "rng_counter": int(session.rng_counter)}
-
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "jax_version": jax.__version__,
-        "keyed": keyed,
-        "registrations": registrations,
-        "alias_layout": layout,
-        "storages": storages,
-        "optimizer": opt_meta,
-        "session": sess_meta,
-    }
+            leaf_meta.append(LeafEntry(key, kp, tuple(np.shape(a)), np.dtype(a.dtype), _digest(a)))
+        opt_layout = tuple(cast("list[int]", optimizer.alias_layout))
+        opt_meta = OptimizerEntry(str(treedef), tuple(leaf_meta), opt_layout, tuple(slot_regs))
+    sess_meta = None if session is None else SessionEntry(int(session.seed), int(session.rng_counter))
+    meta = CheckpointMeta(
+        registrations=tuple(registrations), alias_layout=layout, keyed=keyed, storages=tuple(storages),
+        optimizer=opt_meta, session=sess_meta, jax_version=jax.__version__,
+    )
 
     ocp = _ocp()
-    items: dict[str, Any] = {_META: ocp.args.JsonSave(meta)}
+    items: dict[str, Any] = {_META: ocp.args.JsonSave(meta.to_json())}
     for item, tree in arrays.items():
         if tree:
             items[item] = ocp.args.StandardSave(tree)
@@ -339,14 +329,8 @@ def save(path: Any, params_or_module: Any, optimizer: Any = None, session: Any =
 # --------------------------------------------------------------------------- restore
 
 
-def _bad_meta(path: str, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint at {path} is corrupted or incomplete: its metadata {what}; "
-        "re-save it, or restore from an intact copy"
-    )
-
-
-def _read_meta(path: str) -> dict[str, Any]:
+def _load_meta(path: str) -> CheckpointMeta:
+    """Read the ``meta`` item of the checkpoint directory at ``path`` (validated by ``from_json``)."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}: the path does not exist; check the path (save writes a directory)")
     if not os.path.isdir(path):
@@ -358,84 +342,11 @@ def _read_meta(path: str) -> dict[str, Any]:
         )
     ocp = _ocp()
     try:
-        with _QuietUnraisable(), _checkpointer() as ck:
-            meta = ck.restore(path, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        with _checkpointer() as ck:
+            raw = ck.restore(path, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
     except Exception as e:
-        raise _bad_meta(path, f"could not be read ({_short(e)})") from e
-    _validate_meta(path, meta)
-    return meta
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _validate_meta(path: str, meta: Any) -> None:
-    """Schema check of the JSON metadata, so later code can index it freely."""
-    if not isinstance(meta, dict):
-        raise _bad_meta(path, f"is a {type(meta).__name__}, not an object")
-    if meta.get("format") != FORMAT:
-        raise _bad_meta(path, f"has format {meta.get('format')!r}, expected {FORMAT!r}")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint at {path} has format version {meta.get('version')!r}; this tapeflow reads version {VERSION}. "
-            "Use the tapeflow version that wrote it"
-        )
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise _bad_meta(path, what)
-
-    def spec_ok(d: Any) -> bool:
-        if not (isinstance(d, dict) and isinstance(d.get("shape"), list) and all(_is_int(s) and s >= 0 for s in d["shape"])):
-            return False
-        try:
-            np.dtype(d.get("dtype"))
-        except TypeError:
-            return False
-        return True
-
-    regs = meta.get("registrations")
-    need(isinstance(regs, list), "has no 'registrations' list")
-    n = len(regs)
-    for i, r in enumerate(regs):
-        need(spec_ok(r), f"entry for registration {i} is malformed")
-        need(r.get("name") is None or isinstance(r.get("name"), str), f"name of registration {i} is malformed")
-    layout = meta.get("alias_layout")
-    need(isinstance(layout, list) and len(layout) == n, "alias layout is missing or has the wrong length")
-    need(all(_is_int(c) and 0 <= c <= i and layout[c] == c for i, c in enumerate(layout)), "alias layout is malformed")
-    need(isinstance(meta.get("keyed"), bool), "has no 'keyed' flag")
-    storages = meta.get("storages")
-    need(isinstance(storages, list), "has no 'storages' list")
-    firsts = [i for i, c in enumerate(layout) if c == i]
-    need(
-        len(storages) == len(firsts)
-        and all(
-            isinstance(s, dict) and s.get("registration") == i and isinstance(s.get("key"), str) and isinstance(s.get("digest"), str)
-            for s, i in zip(storages, firsts)
-        ),
-        "storage table does not match its alias layout",
-    )
-    opt = meta.get("optimizer")
-    if opt is not None:
-        need(isinstance(opt, dict) and isinstance(opt.get("treedef"), str), "optimizer entry is malformed")
-        leaves = opt.get("leaves")
-        need(isinstance(leaves, list), "optimizer leaf table is missing")
-        for j, lf in enumerate(leaves):
-            need(
-                spec_ok(lf) and all(isinstance(lf.get(f), str) for f in ("key", "path", "digest")),
-                f"optimizer leaf {j} entry is malformed",
-            )
-        ol = opt.get("alias_layout")
-        need(isinstance(ol, list) and all(_is_int(c) for c in ol), "optimizer alias layout is malformed")
-        sr = opt.get("slot_registrations")
-        need(isinstance(sr, list) and all(_is_int(c) and 0 <= c < n for c in sr), "optimizer slot table is malformed")
-    sess = meta.get("session")
-    if sess is not None:
-        need(
-            isinstance(sess, dict) and _is_int(sess.get("seed")) and _is_int(sess.get("rng_counter")) and sess["rng_counter"] >= 0,
-            "session entry is malformed",
-        )
+        raise bad_meta(path, f"could not be read ({_short(e)})") from e
+    return CheckpointMeta.from_json(path, raw)
 
 
 def _layout_desc(c: int | None, i: int, names: list[str | None]) -> str:
@@ -444,22 +355,21 @@ def _layout_desc(c: int | None, i: int, names: list[str | None]) -> str:
     return f"tied to {_reg_label(c, names)}"
 
 
-def _check_params(path: str, meta: dict[str, Any], names: list[str | None], regs: list[Param], keyed: bool) -> list[int]:
-    saved = meta["registrations"]
-    saved_names = [r.get("name") for r in saved]
+def _check_params(path: str, meta: CheckpointMeta, names: list[str | None], regs: list[Param], keyed: bool) -> None:
+    saved = meta.registrations
+    saved_names = [r.name for r in saved]
     if len(saved) != len(regs):
         raise CheckpointError(
             f"checkpoint at {path} has {len(saved)} parameter registrations, the destination has {len(regs)}; "
             "construct the destination exactly as the saved model (same parameters, ties and order)"
         )
-    layout = canonical_indices([p.storage for p in regs])
-    saved_layout = meta["alias_layout"]
+    layout, saved_layout = list(_layout(regs)), list(meta.alias_layout)
     for i, (r, p) in enumerate(zip(saved, regs)):
         label = _reg_label(i, names)
         _check_not_rational(p.dtype, f"destination {label}")
-        if keyed and meta["keyed"] and r.get("name") != names[i]:
+        if keyed and meta.keyed and r.name != names[i]:
             raise CheckpointError(
-                f"{label} is named {names[i]!r} in the destination but {r.get('name')!r} in the checkpoint at {path}; "
+                f"{label} is named {names[i]!r} in the destination but {r.name!r} in the checkpoint at {path}; "
                 "construct the destination with the same parameter names and order as the saved model"
             )
         if layout[i] != saved_layout[i]:
@@ -469,28 +379,30 @@ def _check_params(path: str, meta: dict[str, Any], names: list[str | None], regs
                 f"{_layout_desc(layout[i], i, names)} (checkpoint layout {saved_layout}, destination {layout}); "
                 "tie the destination's parameters (tfl.tie) exactly as in the saved model"
             )
-        if tuple(r["shape"]) != p.shape:
+        if r.shape != tuple(p.shape):
             raise CheckpointError(
-                f"shape differs at {label}: checkpoint {tuple(r['shape'])}, destination {p.shape}; "
+                f"shape differs at {label}: checkpoint {r.shape}, destination {p.shape}; "
                 "construct the destination with the saved model's shapes"
             )
-        if np.dtype(r["dtype"]) != p.dtype:
+        if r.dtype != p.dtype:
             raise CheckpointError(
-                f"dtype differs at {label}: checkpoint {r['dtype']}, destination {p.dtype.name}; "
+                f"dtype differs at {label}: checkpoint {r.dtype.name}, destination {p.dtype.name}; "
                 "construct the destination with the saved dtypes (restore never casts)"
             )
-    return layout
 
 
-def _check_optimizer(path: str, meta: dict[str, Any], optimizer: Any, regs: list[Param], names: list[str | None]) -> tuple[Any, list[Any]]:
-    om = meta["optimizer"]
+def _check_optimizer(
+    path: str, meta: CheckpointMeta, optimizer: Optimizer, regs: list[Param], names: list[str | None]
+) -> tuple[OptimizerEntry, jax.tree_util.PyTreeDef, list[object]]:
+    """The saved optimizer entry, and the destination's state treedef and leaves, once they agree."""
+    om = meta.optimizer
     if om is None:
         raise CheckpointError(
             f"checkpoint at {path} holds no optimizer state, but an optimizer was given; "
             "pass optimizer=None (and start it fresh), or restore a checkpoint saved with its optimizer"
         )
     _check_opt_current(optimizer)
-    ol, sl = om["alias_layout"], optimizer.alias_layout
+    ol, sl = list(om.alias_layout), optimizer.alias_layout
     if ol != sl:
         if len(ol) != len(sl):
             raise CheckpointError(
@@ -502,37 +414,37 @@ def _check_optimizer(path: str, meta: dict[str, Any], optimizer: Any, regs: list
             f"the optimizer's alias layout differs at its registration {k}: checkpoint {ol}, destination {sl}; "
             "build the optimizer over parameters tied exactly as in the saved model"
         )
-    slot_regs = _opt_slot_registrations(optimizer, regs, names, "restored")
-    if slot_regs != om["slot_registrations"]:
-        k = next((i for i, (a, b) in enumerate(zip(slot_regs, om["slot_registrations"])) if a != b), min(len(slot_regs), len(om["slot_registrations"])))
+    slot_regs, saved_slots = _opt_slot_registrations(optimizer, regs, names, "restored"), list(om.slot_registrations)
+    if slot_regs != saved_slots:
+        k = next((i for i, (a, b) in enumerate(zip(slot_regs, saved_slots)) if a != b), min(len(slot_regs), len(saved_slots)))
         raise CheckpointError(
             f"the optimizer's slot {k} maps to a different parameter: checkpoint slots update registrations "
-            f"{om['slot_registrations']}, destination slots update {slot_regs}; build the optimizer over the "
+            f"{saved_slots}, destination slots update {slot_regs}; build the optimizer over the "
             "parameters in the same order as the saved one"
         )
     treedef, leaves, paths = _opt_leaves(optimizer)
-    saved_leaves = om["leaves"]
+    saved_leaves = om.leaves
     fix = "build the optimizer with the same optax transformation (and parameter container) as the saved one"
     for j, (lm, leaf, kp) in enumerate(zip(saved_leaves, leaves, paths)):
         shape = tuple(np.shape(leaf))
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-        if lm["path"] != kp or tuple(lm["shape"]) != shape or np.dtype(lm["dtype"]) != dtype:
+        if lm.path != kp or lm.shape != shape or lm.dtype != dtype:
             raise CheckpointError(
                 f"optimizer state structure differs from the checkpoint at {path} at state leaf {j}: checkpoint has "
-                f"{lm['path'] or '<root>'} {_spec_str(lm['shape'], lm['dtype'])}, destination has {kp or '<root>'} "
+                f"{lm.path or '<root>'} {_spec_str(lm.shape, lm.dtype)}, destination has {kp or '<root>'} "
                 f"{_spec_str(shape, dtype)}; {fix}"
             )
     if len(saved_leaves) != len(leaves):
         j = min(len(saved_leaves), len(leaves))
-        extra = f"checkpoint leaf {saved_leaves[j]['path']}" if j < len(saved_leaves) else f"destination leaf {paths[j]}"
+        extra = f"checkpoint leaf {saved_leaves[j].path}" if j < len(saved_leaves) else f"destination leaf {paths[j]}"
         raise CheckpointError(
             f"optimizer state structure differs from the checkpoint at {path}: it has {len(saved_leaves)} state leaves, "
             f"the destination has {len(leaves)} (first unmatched: {extra}); {fix}"
         )
     # The treedef string also tells apart containers and state classes with equal leaf paths
     # (e.g. adam vs. adamw); its text is only comparable within one jax version.
-    a, b = om["treedef"], str(treedef)
-    if a != b and meta.get("jax_version") == jax.__version__:
+    a, b = om.treedef, str(treedef)
+    if a != b and meta.jax_version == jax.__version__:
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         lo, hi = max(0, at - 40), at + 60
         pre = "..." if lo else ""
@@ -541,19 +453,26 @@ def _check_optimizer(path: str, meta: dict[str, Any], optimizer: Any, regs: list
             f"character {at}: checkpoint {pre}{a[lo:hi]}{'...' if hi < len(a) else ''}, destination "
             f"{pre}{b[lo:hi]}{'...' if hi < len(b) else ''}); {fix}"
         )
-    return treedef, leaves
+    return om, treedef, leaves
 
 
-def _target_sharding(current: Any) -> Any:
+def _target_sharding(current: object) -> jax.sharding.SingleDeviceSharding:
     dev = _device_of(current)
     return jax.sharding.SingleDeviceSharding(dev if dev is not None else jax.devices()[0])
 
 
-def _read_arrays(path: str, wanted: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Restore the named arrays of each item and verify shape, dtype and digest of each.
+class _Want(NamedTuple):
+    """One array to read back: its expected spec and digest, the value it replaces (for placement), a label."""
 
-    ``wanted[item][key] = (shape, dtype, digest, current value (for placement), description)``.
-    """
+    shape: tuple[int, ...]
+    dtype: np.dtype[np.generic]
+    digest: str
+    current: object
+    what: str
+
+
+def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, jax.Array]:
+    """Restore the named arrays of each item (``wanted[item][key]``) and verify shape, dtype and digest of each."""
     wanted = {item: w for item, w in wanted.items() if w}
     if not wanted:
         return {}
@@ -566,12 +485,12 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, Any]]) -> dict[str, Any]
     ocp = _ocp()
     args = {
         item: ocp.args.StandardRestore(
-            {k: jax.ShapeDtypeStruct(spec[0], spec[1], sharding=_target_sharding(spec[3])) for k, spec in w.items()}
+            {k: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=_target_sharding(spec.current)) for k, spec in w.items()}
         )
         for item, w in wanted.items()
     }
     try:
-        with _QuietUnraisable(), _checkpointer() as ck:
+        with _checkpointer() as ck:
             restored = ck.restore(path, args=ocp.args.Composite(**args))
             got_items = {item: restored[item] for item in wanted}
     except Exception as e:
@@ -580,7 +499,7 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, Any]]) -> dict[str, Any]
             f"checkpoint at {path} is corrupted or incomplete: its array data could not be read "
             f"({msg}); re-save it or restore from an intact copy"
         ) from e
-    out: dict[str, Any] = {}
+    out: dict[str, jax.Array] = {}
     for item, w in wanted.items():
         got = got_items[item]
         for k, (shape, dtype, digest, _, what) in w.items():
@@ -605,7 +524,9 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, Any]]) -> dict[str, Any]
     return out
 
 
-def restore(path: Any, params_or_module: Any, optimizer: Any = None, session: Any = None) -> None:
+def restore(
+    path: StrPath, params_or_module: ParamSource, optimizer: Optimizer | None = None, session: Session | None = None
+) -> None:
     """Load a checkpoint written by :func:`save` into existing parameters (and optimizer, session).
 
     The destination must be built like the saved model: same registrations in
@@ -618,30 +539,31 @@ def restore(path: Any, params_or_module: Any, optimizer: Any = None, session: An
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)
-    meta = _read_meta(path)
+    meta = _load_meta(path)
     _check_params(path, meta, names, regs, keyed)
-    wanted: dict[str, dict[str, Any]] = {_PARAMS: {}, _OPT: {}}
-    for s in meta["storages"]:
-        i = s["registration"]
-        p = regs[i]
-        wanted[_PARAMS][s["key"]] = (p.shape, p.dtype, s["digest"], p.storage.read(None), f"parameter {_reg_label(i, names)}")
-    opt_treedef = None
+    wanted: dict[str, dict[str, _Want]] = {_PARAMS: {}, _OPT: {}}
+    for s in meta.storages:
+        p = regs[s.registration]
+        what = f"parameter {_reg_label(s.registration, names)}"
+        wanted[_PARAMS][s.key] = _Want(tuple(p.shape), p.dtype, s.digest, p.storage.read(None), what)
+    opt_plan: tuple[OptimizerEntry, jax.tree_util.PyTreeDef] | None = None
     if optimizer is not None:
-        opt_treedef, leaves = _check_optimizer(path, meta, optimizer, regs, names)
-        for j, (lm, leaf) in enumerate(zip(meta["optimizer"]["leaves"], leaves)):
-            wanted[_OPT][lm["key"]] = (tuple(lm["shape"]), np.dtype(lm["dtype"]), lm["digest"], leaf, f"optimizer state leaf {j}")
-    if session is not None and meta["session"] is None:
+        om, opt_treedef, leaves = _check_optimizer(path, meta, optimizer, regs, names)
+        opt_plan = (om, opt_treedef)
+        for j, (lm, leaf) in enumerate(zip(om.leaves, leaves)):
+            wanted[_OPT][lm.key] = _Want(lm.shape, lm.dtype, lm.digest, leaf, f"optimizer state leaf {j}")
+    rng = meta.session
+    if session is not None and rng is None:
         raise CheckpointError(
             f"checkpoint at {path} holds no session state, but a session was given; pass session=None"
         )
     got = _read_arrays(path, wanted)
 
     # -- everything checked: install ---------------------------------------------
-    for s in meta["storages"]:
-        regs[s["registration"]].storage.write(got[s["key"]])
-    if optimizer is not None:
-        new_leaves = [got[lm["key"]] for lm in meta["optimizer"]["leaves"]]
-        optimizer.state = jax.tree_util.tree_unflatten(opt_treedef, new_leaves)
-    if session is not None:
-        sm = meta["session"]
-        session.set_rng_state(seed=int(sm["seed"]), counter=int(sm["rng_counter"]))
+    for s in meta.storages:
+        regs[s.registration].storage.write(got[s.key])
+    if optimizer is not None and opt_plan is not None:
+        om, opt_treedef = opt_plan
+        optimizer.state = jax.tree_util.tree_unflatten(opt_treedef, [got[lm.key] for lm in om.leaves])
+    if session is not None and rng is not None:
+        session.set_rng_state(seed=rng.seed, counter=rng.rng_counter)
