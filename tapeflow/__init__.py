@@ -19,13 +19,18 @@ from ._params import Param, Storage, canonical_indices, tie
 from ._grads import Grads, ParameterGroup
 from ._session import RationalFallbackWarning, Session
 from ._tensor import Tensor, apply, current_session, last_recorded_session
-from ._functions import *  # noqa: F403
-from ._functions import __all__ as _fn_all
+from ._functions import (  # every public op, generated from the registry, plus dropout
+    abs, add, astype, attention, avg_pool2d, broadcast_to, clamp, concat, conv2d, cos,
+    cross_entropy, div, dropout, eq, exp, expand_dims, gather, ge, gelu, gt, layer_norm, le, linear,
+    log, log_softmax, logsumexp, lt, matmul, max, max_pool2d, maximum, mean, minimum, mse, mul, ne,
+    neg, permute, pow, relu, reshape, scaled_dot_product_attention, scatter_add, sigmoid, sin,
+    softmax, softplus, sqrt, squeeze, stop_gradient, sub, sum, take, tanh, transpose, where,
+)
 from . import nn  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = _fn_all + [
+__all__ = [
     "CheckpointError",
     "restore",
     "save",
@@ -61,4 +66,12 @@ __all__ = _fn_all + [
     "leaf",
     "ops",
     "record",
+    # op functions (tapeflow._functions)
+    "abs", "add", "astype", "attention", "avg_pool2d", "broadcast_to", "clamp", "concat", "conv2d",
+    "cos", "cross_entropy", "div", "dropout", "eq", "exp", "expand_dims", "gather", "ge", "gelu",
+    "gt", "layer_norm", "le", "linear", "log", "log_softmax", "logsumexp", "lt", "matmul", "max",
+    "max_pool2d", "maximum", "mean", "minimum", "mse", "mul", "ne", "neg", "permute", "pow", "relu",
+    "reshape", "scaled_dot_product_attention", "scatter_add", "sigmoid", "sin", "softmax",
+    "softplus", "sqrt", "squeeze", "stop_gradient", "sub", "sum", "take", "tanh", "transpose",
+    "where",
 ]

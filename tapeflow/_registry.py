@@ -19,6 +19,13 @@ the operand check are attached next to it::
   returns an error message (or ``None``). The output shape and dtype come from
   ``jax.eval_shape`` of the forward, once per cache key.
 
+The forward's signature is also the op's public signature: its positional
+parameters name the operands (a trailing ``b=None`` is an optional operand,
+``*xs`` a variadic one), the remaining parameters are the attributes (annotated
+with the types of :data:`ATTR_TYPES`), and the first paragraph of its docstring
+is the op's one-line public summary (the rest are notes). :mod:`tapeflow._functions`
+builds ``tfl.<op>`` from exactly that.
+
 Forward and VJP kernels are ``jax.jit``-compiled and cached per
 ``(op, attrs, shapes, dtypes)`` (plus, for VJPs, which inputs need a gradient),
 so recording an op in eager mode costs one compiled dispatch. Inside an outer
@@ -29,17 +36,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._typing import Attrs, AttrValue
+
 __all__ = [
     "OpDef",
     "Spec",
     "op",
+    "normalize_attrs",
+    "Axes",
+    "ShapeLike",
+    "Pair",
+    "Padding",
+    "Reduction",
     "REGISTRY",
     "ops",
     "kernel_cache_info",
@@ -53,6 +69,28 @@ REQUIRED: Any = object()
 """Marker for an attribute without a default."""
 
 OBJECT = np.dtype(object)
+
+# --------------------------------------------------------------------------- attribute types
+
+Axes: TypeAlias = int | Sequence[int]
+"""One axis or several; negative axes count from the end."""
+
+ShapeLike: TypeAlias = int | Sequence[int]
+"""A target shape: an int (rank 1) or a sequence of ints."""
+
+Pair: TypeAlias = int | tuple[int, int]
+"""An int ``n`` (meaning ``(n, n)``) or a pair of ints, e.g. a 2-D stride."""
+
+Padding: TypeAlias = int | tuple[int, int] | tuple[tuple[int, int], tuple[int, int]] | str
+"""Convolution padding: an int, a pair, ``((top, bottom), (left, right))``, ``"SAME"`` or ``"VALID"``."""
+
+Reduction: TypeAlias = Literal["mean", "sum", "none"]
+"""How a loss reduces over its rows."""
+
+ATTR_TYPES = ("Axes", "ShapeLike", "Pair", "Padding", "Reduction")
+"""The aliases above: with builtins, ``Sequence``, numpy.typing's ``DTypeLike`` and
+``AttrValue`` they are what op forwards annotate attributes with (the stub
+generator imports them into ``tapeflow/_functions.pyi``)."""
 
 
 def fmt_spec(spec: Spec) -> str:
@@ -68,7 +106,15 @@ def is_float(dtype: np.dtype) -> bool:
 
 @dataclasses.dataclass(eq=False)
 class OpDef:
-    """One registered op. Create it with :func:`op`, never directly."""
+    """One registered op. Create it with :func:`op`, never directly.
+
+    ``operands`` names the operands in order (from the forward's signature; for
+    a variadic op the one name of the operand sequence); the last
+    ``arity[1] - arity[0]`` of them are optional. ``attr_types`` holds the
+    annotation text of each attribute, ``doc`` the one-line public summary and
+    ``notes`` the rest of the forward's docstring. ``public=False`` ops get no
+    ``tfl.<name>`` function; ``aliases`` are further names of that function.
+    """
 
     name: str
     fwd: Callable[..., Any]
@@ -79,6 +125,21 @@ class OpDef:
     exact: bool
     vjp: Callable[..., Sequence[Any]] | None = None
     doc: str = ""
+    notes: str = ""
+    operands: tuple[str, ...] = ()
+    attr_types: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    public: bool = True
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def variadic(self) -> bool:
+        """Whether the op takes any number of operands (its one operand name stands for all)."""
+        return self.arity[1] is None
+
+    @property
+    def optional_operands(self) -> tuple[str, ...]:
+        """Names of the trailing operands that may be left out."""
+        return () if self.variadic else self.operands[self.arity[0] :]
 
     def defvjp(self, vjp: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
         """Attach the VJP ``vjp(g, out, *inputs, **attrs) -> cotangents``."""
@@ -95,33 +156,51 @@ REGISTRY: dict[str, OpDef] = {}
 def op(
     name: str,
     *,
-    arity: int | tuple[int, int | None],
+    arity: int | tuple[int, int | None] | None = None,
     attrs: Mapping[str, Any] | None = None,
     nondiff: Sequence[int] = (),
     exact: bool = False,
     check: Callable[..., str | None] | None = None,
+    public: bool = True,
+    aliases: Sequence[str] = (),
 ) -> Callable[[Callable[..., Any]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
-    ``arity`` is an exact count or ``(min, max)`` (``max=None``: variadic).
-    ``attrs`` maps each allowed attribute to its default (``REQUIRED`` for none).
-    ``nondiff`` lists input positions that never get a gradient (labels, indices).
-    ``exact`` marks ops whose forward and VJP are exact on rational object arrays.
+    ``arity`` is an exact count or ``(min, max)`` (``max=None``: variadic); when
+    left out it is read from the forward's signature, and when given it must
+    agree with it. ``attrs`` maps each allowed attribute to its default
+    (``REQUIRED`` for none). ``nondiff`` lists input positions that never get a
+    gradient (labels, indices). ``exact`` marks ops whose forward and VJP are
+    exact on rational object arrays. ``public=False`` keeps the op out of the
+    ``tfl.<name>`` functions; ``aliases`` are further names for its function.
     """
 
     def deco(fwd: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise ValueError(f"op {name!r} is already registered")
-        ar = (arity, arity) if isinstance(arity, int) else arity
+        defaults = dict(attrs or {})
+        operands, ar, attr_types = _read_signature(name, fwd, defaults)
+        if arity is not None:
+            lo, hi = (arity, arity) if isinstance(arity, int) else arity
+            if (lo, hi) != ar and not (hi is None and ar[1] is None and lo >= ar[0]):
+                raise ValueError(f"op {name!r}: arity={arity!r} disagrees with the forward's operands {operands}")
+            ar = (lo, hi)
+        doc = inspect.cleandoc(fwd.__doc__ or "")
+        summary, _, notes = doc.partition("\n\n")
         d = OpDef(
             name=name,
             fwd=fwd,
             check=check,
             arity=ar,
-            defaults=dict(attrs or {}),
+            defaults=defaults,
             nondiff=frozenset(nondiff),
             exact=exact,
-            doc=(fwd.__doc__ or "").strip(),
+            doc=" ".join(summary.split()),
+            notes=notes.strip(),
+            operands=operands,
+            attr_types=attr_types,
+            public=public,
+            aliases=tuple(aliases),
         )
         REGISTRY[name] = d
         return d
@@ -129,9 +208,82 @@ def op(
     return deco
 
 
+def _read_signature(
+    name: str, fwd: Callable[..., Any], attrs: Mapping[str, object]
+) -> tuple[tuple[str, ...], tuple[int, int | None], dict[str, str]]:
+    """Operand names, arity and attribute annotations from the forward's signature."""
+    P = inspect.Parameter
+    params = inspect.signature(fwd).parameters.values()
+    names: list[str] = []
+    n_opt = 0
+    variadic = False
+    types: dict[str, str] = {}
+    for p in params:
+        if p.name in attrs:
+            ann = p.annotation
+            text = ann if isinstance(ann, str) else "" if ann is P.empty else inspect.formatannotation(ann)
+            types[p.name] = "AttrValue" if text in ("", "Any", "typing.Any") else text
+        elif p.kind is P.VAR_POSITIONAL:
+            names.append(p.name)
+            variadic = True
+        elif p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) and not variadic:
+            if p.default is not P.empty and p.default is not None:
+                raise ValueError(f"op {name!r}: operand {p.name!r} may only default to None (an optional operand)")
+            if p.default is P.empty and n_opt:
+                raise ValueError(f"op {name!r}: required operand {p.name!r} follows an optional one")
+            n_opt += p.default is None
+            names.append(p.name)
+        elif p.kind is not P.VAR_KEYWORD:
+            raise ValueError(f"op {name!r}: forward parameter {p.name!r} is not an attribute (attrs={list(attrs)})")
+    has_kwargs = any(p.kind is P.VAR_KEYWORD for p in params)
+    missing = [a for a in attrs if a not in types]
+    if missing and not has_kwargs:
+        raise ValueError(f"op {name!r}: the forward takes no attribute(s) {missing}")
+    for a in missing:
+        types[a] = "AttrValue"
+    n = len(names)
+    arity = (n - 1, None) if variadic else (n - n_opt, n)
+    return tuple(names), arity, {a: types[a] for a in attrs}
+
+
 def ops() -> list[str]:
     """Names of every registered op, sorted."""
     return sorted(REGISTRY)
+
+
+def normalize_attrs(attrs: Mapping[str, object]) -> Attrs:
+    """The hashable cache key of an op's attributes: ``(name, value)`` pairs sorted by name.
+
+    Lists become tuples (recursively, as do tuples of lists), a slice becomes
+    ``("slice", start, stop, step)``, a mapping becomes its sorted ``(key,
+    value)`` pairs, and a ``dtype`` attribute given as anything ``np.dtype``
+    accepts becomes that ``np.dtype``. Other values pass through unchanged; one
+    that stays unhashable (a set, an array) makes hashing the result fail, and
+    the caller reports it.
+
+    >>> normalize_attrs({"axis": [0, [1]], "dtype": "float32", "index": slice(1, None)})
+    (('axis', (0, (1,))), ('dtype', dtype('float32')), ('index', ('slice', 1, None, None)))
+    """
+    return tuple(sorted((k, _normalize_value(k, v)) for k, v in attrs.items()))
+
+
+def _normalize_value(name: str, v: object) -> AttrValue:
+    if name == "dtype" and v is not None and not isinstance(v, np.dtype):
+        try:
+            return np.dtype(v)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            pass  # not a dtype: the op's check names the problem
+    return _freeze_value(v)
+
+
+def _freeze_value(v: object) -> AttrValue:
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze_value(x) for x in v)
+    if isinstance(v, slice):
+        return ("slice", _freeze_value(v.start), _freeze_value(v.stop), _freeze_value(v.step))
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _freeze_value(x)) for k, x in v.items()))
+    return v
 
 
 # --------------------------------------------------------------------------- kernels

@@ -905,3 +905,109 @@ def test_shape_ops_are_exact_on_rationals(
         assert g[i].shape == x.shape and g[i].dtype == object
     total = sum(Fraction(s) * Fraction(o) for s, o in zip(seed.ravel(), out.ravel()))
     assert sum(Fraction(a) * Fraction(b) for i, x in zip(ids, xs) for a, b in zip(g[i].ravel(), x.ravel())) == total
+
+
+# --------------------------------------------------------------------------- generated op functions (tfl.<op>)
+
+PUBLIC = [name for name in tfl.ops() if tfl.REGISTRY[name].public]
+PUBLIC_CASES = [(name, case) for name, case in ALL if tfl.REGISTRY[name].public]
+
+
+def test_public_op_functions_exist_and_are_exported() -> None:
+    from tapeflow import _functions
+
+    for name in tfl.ops():
+        d = tfl.REGISTRY[name]
+        assert hasattr(tfl, name) == d.public, name
+        for alias in d.aliases:
+            assert getattr(tfl, alias) is getattr(tfl, name)
+    assert set(_functions.__all__) <= set(tfl.__all__)
+    aliases = {a for n in PUBLIC for a in tfl.REGISTRY[n].aliases}
+    assert set(_functions.__all__) == set(PUBLIC) | aliases | {"dropout"}
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_op_function_signature_matches_opdef(name: str) -> None:
+    import inspect
+
+    from tapeflow._registry import REQUIRED
+
+    d = tfl.REGISTRY[name]
+    f = getattr(tfl, name)
+    assert (f.__name__, f.__qualname__, f.__module__) == (name, name, "tapeflow")
+    assert f.__doc__ and f.__doc__.startswith(d.doc) and f"``{name}``" in f.__doc__
+    params = list(inspect.signature(f).parameters.values())
+    assert [p.name for p in params] == [*d.operands, *d.defaults]
+    empty = inspect.Parameter.empty
+    for p in params[: len(d.operands)]:
+        assert p.default is (None if p.name in d.optional_operands else empty), p
+        assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for p in params[len(d.operands) :]:
+        want = d.defaults[p.name]
+        assert p.default is empty if want is REQUIRED else p.default == want, p
+        assert p.annotation == d.attr_types[p.name]
+
+
+@pytest.mark.parametrize(("name", "case"), PUBLIC_CASES, ids=_ids(PUBLIC_CASES))
+def test_op_function_records_its_op(name: str, case: Case) -> None:
+    xs = [g(_rng(name, case.id)) for g in case.inputs]
+    t, _, out = _run(name, xs, case.attrs)
+    with tfl.Session() as s:
+        hs = [s.input(jnp.asarray(x)) for x in xs]
+        f = getattr(tfl, name)
+        h = f(hs, **case.attrs) if tfl.REGISTRY[name].variadic else f(*hs, **case.attrs)
+        assert h.op == name
+        assert h.node.parents == tuple(x.id for x in hs)
+        np.testing.assert_array_equal(np.asarray(h.value), np.asarray(t.value(out)))
+
+
+def test_op_functions_normalize_attributes_once() -> None:
+    from tapeflow._registry import normalize_attrs
+
+    assert normalize_attrs({"b": [1, [2, 3]], "a": slice(None, 2), "dtype": "float32"}) == (
+        ("a", ("slice", None, 2, None)),
+        ("b", (1, (2, 3))),
+        ("dtype", np.dtype("float32")),
+    )
+    assert normalize_attrs({"dtype": "nope"}) == (("dtype", "nope"),)  # the op's check reports it
+    with tfl.Session() as s:
+        x = s.input(jnp.ones((2, 3, 4)))
+        assert dict(tfl.sum(x, axis=[0, 2]).node.attrs)["axis"] == (0, 2)
+        assert dict(tfl.astype(x, "float32").node.attrs)["dtype"] == np.dtype("float32")
+        y = tfl.conv2d(jnp.ones((1, 1, 4, 4)), jnp.ones((1, 1, 2, 2)), padding=[[1, 0], [0, 1]])
+        assert dict(y.node.attrs)["padding"] == ((1, 0), (0, 1))
+    t, a = tfl.leaf(tfl.Tape.empty(), jnp.ones(3))
+    t, r = tfl.record(t, "astype", (a,), dtype=jnp.float32)
+    assert r.is_ok and dict(t[r.value].attrs)["dtype"] == np.dtype("float32")
+
+
+def test_op_function_operand_rules() -> None:
+    with tfl.Session() as s:
+        x, b = s.input(jnp.ones((2, 4))), s.input(jnp.zeros(4))
+        assert tfl.layer_norm(x, b).node.parents == (x.id, b.id)  # weight alone
+        with pytest.raises(tfl.TapeError, match="layer_norm: bias needs weight"):
+            tfl.layer_norm(x, bias=b)
+        assert tfl.linear(x, jnp.ones((4, 3)), None).node.parents[0] == x.id
+        assert len(tfl.linear(x, jnp.ones((4, 3)), jnp.ones(3)).node.parents) == 3
+        assert tfl.concat((h for h in (x, x)), axis=0).shape == (4, 4)  # any iterable
+        with pytest.raises(tfl.TapeError, match="concat: xs must be a sequence"):
+            tfl.concat(x)
+        with pytest.raises(TypeError):
+            tfl.reshape(x)  # a required attribute has no default
+
+
+def test_op_registration_reads_and_checks_the_forward_signature() -> None:
+    from tapeflow._registry import op
+
+    def two(x: Any, y: Any = None, *, k: int) -> Any:
+        return x
+
+    with pytest.raises(ValueError, match="arity=1 disagrees"):
+        op("_test_bad_arity", arity=1, attrs={"k": 0})(two)
+    with pytest.raises(ValueError, match="takes no attribute"):
+        op("_test_missing_attr", attrs={"k": 0, "j": 1})(two)
+    with pytest.raises(ValueError, match="neither|not an attribute"):
+        op("_test_unknown_kw")(two)
+    with pytest.raises(ValueError, match="may only default to None"):
+        op("_test_default")(lambda x, y=1: x)
+    assert not any(n.startswith("_test_") for n in tfl.REGISTRY)  # a rejected op is not registered
