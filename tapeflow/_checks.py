@@ -2,8 +2,8 @@
 
 The checks return None when their input is valid, else a message that names
 the problem and the fix (the registry prefixes the op name and appends the
-operand specs); ``is_*`` and ``broadcasts_to`` are predicates, ``int_tuple``
-and ``norm_axes`` normalize attributes.
+operand specs); ``is_*`` and ``broadcasts_to`` are predicates, ``int_tuple``,
+``int_pair`` and ``norm_axes`` normalize attributes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ def is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
+def is_number(v: Any) -> bool:
+    """Whether ``v`` is a real Python or NumPy number: an int as :func:`is_int` (bools are not), or a float."""
+    return is_int(v) or isinstance(v, (float, np.floating))
+
+
 def is_int_dtype(dt: np.dtype) -> bool:
     """Whether ``dt`` is an integer dtype (exact rationals, bools and floats are not)."""
     return dt != np.dtype(object) and bool(jnp.issubdtype(dt, jnp.integer))
@@ -33,6 +38,15 @@ def int_tuple(v: Any) -> tuple[int, ...] | None:
         return (int(v),)
     if isinstance(v, (tuple, list)) and all(is_int(a) for a in v):
         return tuple(int(a) for a in v)
+    return None
+
+
+def int_pair(v: Any) -> tuple[int, int] | None:
+    """``v`` as a pair of ints (an int ``n`` is ``(n, n)``; a 2-tuple or 2-list of ints), or None if it is not one."""
+    if is_int(v):
+        return (int(v), int(v))
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(is_int(a) for a in v):
+        return (int(v[0]), int(v[1]))
     return None
 
 

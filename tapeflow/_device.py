@@ -49,5 +49,18 @@ def resolve_device(device: Any) -> jax.Device:
 
 
 def default_device() -> jax.Device:
-    """JAX's default device (an accelerator when one is present)."""
-    return jax.devices()[0]
+    """JAX's default device: ``jax.default_device`` when set (a device or a platform name), else ``jax.devices()[0]``.
+
+    Without that setting this is an accelerator when one is present; inside
+    ``with jax.default_device(d):`` it is ``d``.
+
+    >>> default_device() == jax.devices()[0]
+    True
+    >>> with jax.default_device(jax.devices("cpu")[0]):
+    ...     default_device().platform
+    'cpu'
+    """
+    dev = jax.config.jax_default_device
+    if dev is None:
+        return jax.devices()[0]
+    return resolve_device(dev)  # a platform name such as "cpu", or a jax.Device as it is

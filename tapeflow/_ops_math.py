@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import DTypeLike
 
-from ._checks import axes_error, broadcast, float_operands, norm_axes, same_dtype
-from ._registry import REQUIRED, Spec, broadcast_shapes, op, unbroadcast, xp_of
+from ._checks import axes_error, broadcast, float_operands, is_number, norm_axes, same_dtype
+from ._registry import REQUIRED, Axes, Spec, broadcast_shapes, op, unbroadcast, xp_of
 
 # --------------------------------------------------------------------------- checks
 
@@ -106,6 +107,13 @@ def _pow_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
     return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
 
 
+def _select_vjp(g: Any, x: Any, y: Any, x_wins: Any, y_wins: Any) -> tuple[Any, Any]:
+    """VJP of an elementwise pick of ``x`` or ``y``: ``g`` to the winner, half to each side on a tie (as ``jax.grad``)."""
+    xp = xp_of(g)
+    tie = xp.where(x == y, g / 2, 0 * g)
+    return unbroadcast(xp.where(x_wins, g, tie), x.shape), unbroadcast(xp.where(y_wins, g, tie), y.shape)
+
+
 @op("maximum", arity=2, exact=True, check=binary_check)
 def maximum(x: Any, y: Any) -> Any:
     """Elementwise maximum; ties send half the gradient to each side (as ``jax.grad``)."""
@@ -114,11 +122,7 @@ def maximum(x: Any, y: Any) -> Any:
 
 @maximum.defvjp
 def _maximum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
-    xp = xp_of(g)
-    half = g / 2
-    gx = xp.where(x > y, g, xp.where(x == y, half, 0 * g))
-    gy = xp.where(y > x, g, xp.where(x == y, half, 0 * g))
-    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+    return _select_vjp(g, x, y, x > y, y > x)
 
 
 @op("minimum", arity=2, exact=True, check=binary_check)
@@ -129,11 +133,7 @@ def minimum(x: Any, y: Any) -> Any:
 
 @minimum.defvjp
 def _minimum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
-    xp = xp_of(g)
-    half = g / 2
-    gx = xp.where(x < y, g, xp.where(x == y, half, 0 * g))
-    gy = xp.where(y < x, g, xp.where(x == y, half, 0 * g))
-    return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
+    return _select_vjp(g, x, y, x < y, y < x)
 
 
 def _where_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
@@ -216,7 +216,7 @@ def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str
     if err := float_operands(specs):
         return err
     for name, v in (("lo", lo), ("hi", hi)):
-        if v is not None and not isinstance(v, (int, float)):
+        if v is not None and not is_number(v):
             return f"attribute {name} must be a number or None, got {v!r}"
     if lo is not None and hi is not None and lo > hi:
         return f"lo={lo} is greater than hi={hi}"
@@ -259,7 +259,7 @@ def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
 
 
 @op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check)
-def astype(x: Any, dtype: Any) -> Any:
+def astype(x: Any, dtype: DTypeLike) -> Any:
     """Cast to ``dtype``; the gradient is cast back (none flows into integer inputs)."""
     return x.astype(dtype)
 
@@ -269,20 +269,20 @@ def _astype_vjp(g: Any, out: Any, x: Any, dtype: Any) -> tuple[Any]:
     return (g.astype(x.dtype),)
 
 
-def _cmp(name: str, fn: Any) -> None:
+def _cmp(name: str, symbol: str, fn: Any) -> None:
     def f(x: Any, y: Any) -> Any:
         return fn(x, y)
 
-    f.__doc__ = f"Elementwise comparison ``{name}`` (boolean result, no gradient)."
+    f.__doc__ = f"Elementwise comparison ``x {symbol} y`` with broadcasting (boolean result, no gradient)."
     op(name, arity=2, exact=True, check=binary_check)(f)
 
 
-_cmp("lt", lambda x, y: x < y)
-_cmp("le", lambda x, y: x <= y)
-_cmp("gt", lambda x, y: x > y)
-_cmp("ge", lambda x, y: x >= y)
-_cmp("eq", lambda x, y: x == y)
-_cmp("ne", lambda x, y: x != y)
+_cmp("lt", "<", lambda x, y: x < y)
+_cmp("le", "<=", lambda x, y: x <= y)
+_cmp("gt", ">", lambda x, y: x > y)
+_cmp("ge", ">=", lambda x, y: x >= y)
+_cmp("eq", "==", lambda x, y: x == y)
+_cmp("ne", "!=", lambda x, y: x != y)
 
 
 # --------------------------------------------------------------------------- reductions
@@ -298,7 +298,7 @@ def _expand(g: Any, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Any:
 
 
 @op("sum", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
-def sum_(x: Any, axis: Any, keepdims: bool) -> Any:
+def sum_(x: Any, axis: Axes | None, keepdims: bool) -> Any:
     """Sum over ``axis`` (an int, a tuple, or None for all)."""
     return xp_of(x).sum(x, axis=axis, keepdims=keepdims)
 
@@ -310,7 +310,7 @@ def _sum_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
 
 
 @op("mean", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
-def mean(x: Any, axis: Any, keepdims: bool) -> Any:
+def mean(x: Any, axis: Axes | None, keepdims: bool) -> Any:
     """Mean over ``axis`` (an int, a tuple, or None for all)."""
     xp = xp_of(x)
     if xp is np:
@@ -327,7 +327,7 @@ def _mean_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]
 
 
 @op("max", arity=1, attrs={"axis": None, "keepdims": False}, check=_reduce_check)
-def max_(x: Any, axis: Any, keepdims: bool) -> Any:
+def max_(x: Any, axis: Axes | None, keepdims: bool) -> Any:
     """Maximum over ``axis``; ties share the gradient equally (as ``jax.grad``)."""
     return jnp.max(x, axis=axis, keepdims=keepdims)
 

@@ -16,14 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import axes_error, broadcasts_to, float_check, is_int, is_int_dtype, norm_axes
-from ._registry import REQUIRED, Spec, broadcast_shapes, op, unbroadcast
+from ._checks import axes_error, broadcasts_to, float_check, int_pair, is_int, is_int_dtype, is_number, norm_axes
+from ._registry import REQUIRED, Axes, Padding, Pair, Reduction, Spec, broadcast_shapes, op, unbroadcast
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
 def _axis_check(specs: tuple[Spec, ...], axis: Any = -1, **_: Any) -> str | None:
@@ -64,7 +60,7 @@ def _stable_max(x: Any, axes: tuple[int, ...]) -> Any:
 
 
 @op("softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
-def softmax(x: Any, axis: Any) -> Any:
+def softmax(x: Any, axis: Axes) -> Any:
     """``exp(x) / sum(exp(x))`` over ``axis`` (int or tuple), computed as ``exp(x - max)`` for stability."""
     axes = norm_axes(axis, x.ndim)
     e = jnp.exp(x - _stable_max(x, axes))
@@ -78,7 +74,7 @@ def _softmax_vjp(g: Any, out: Any, x: Any, axis: Any) -> tuple[Any]:
 
 
 @op("log_softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
-def log_softmax(x: Any, axis: Any) -> Any:
+def log_softmax(x: Any, axis: Axes) -> Any:
     """``x - logsumexp(x)`` over ``axis`` (int or tuple), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
     s = x - _stable_max(x, axes)
@@ -100,7 +96,7 @@ def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str |
 
 
 @op("logsumexp", arity=1, attrs={"axis": -1, "keepdims": False}, check=_logsumexp_check)
-def logsumexp(x: Any, axis: Any, keepdims: bool) -> Any:
+def logsumexp(x: Any, axis: Axes | None, keepdims: bool) -> Any:
     """``log(sum(exp(x)))`` over ``axis`` (int, tuple or None for all), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
     m = _stable_max(x, axes)
@@ -132,7 +128,7 @@ def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | Non
             f"axis={axis!r} must name trailing axes of the rank-{len(shape)} input "
             f"(e.g. -1, or (-2, -1)); got normalized axes {r}"
         )
-    if not _is_number(eps) or eps < 0:
+    if not is_number(eps) or eps < 0:
         return f"attribute eps={eps!r} must be a non-negative number"
     norm = shape[len(shape) - len(r) :]
     for i, name in ((1, "weight"), (2, "bias")):
@@ -152,8 +148,8 @@ def _layer_norm_stats(x: Any, axes: tuple[int, ...], eps: float) -> tuple[Any, A
 
 
 @op("layer_norm", arity=(1, 3), attrs={"axis": -1, "eps": 1e-5}, check=_layer_norm_check)
-def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Any, eps: float) -> Any:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
+def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Axes, eps: float) -> Any:
+    """Layer normalization ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
 
     ``var`` is the biased variance; ``weight`` and ``bias`` are optional (give
     ``weight`` alone, or both) and have the normalized trailing shape.
@@ -213,7 +209,7 @@ def _ce_parts(logits: Any, labels: Any) -> tuple[Any, Any, Any]:
 
 
 @op("cross_entropy", arity=2, attrs={"reduction": "mean"}, nondiff=(1,), check=_cross_entropy_check)
-def cross_entropy(logits: Any, labels: Any, reduction: str) -> Any:
+def cross_entropy(logits: Any, labels: Any, reduction: Reduction) -> Any:
     """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).
 
     Per row ``logsumexp(logits) - logits[label]``, reduced by ``reduction``
@@ -247,7 +243,7 @@ def _mse_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
 
 
 @op("mse", arity=2, attrs={"reduction": "mean"}, check=_mse_check)
-def mse(pred: Any, target: Any, reduction: str) -> Any:
+def mse(pred: Any, target: Any, reduction: Reduction) -> Any:
     """Squared error ``(pred - target) ** 2`` (same shapes), reduced by "mean", "sum" or "none"."""
     d = pred - target
     return _reduce(d * d, reduction)
@@ -262,26 +258,25 @@ def _mse_vjp(g: Any, out: Any, pred: Any, target: Any, reduction: str) -> tuple[
 # --------------------------------------------------------------------------- conv2d
 
 
-def _pair(v: Any) -> tuple[int, int] | None:
-    if is_int(v):
-        return (int(v), int(v))
-    if isinstance(v, tuple) and len(v) == 2 and all(is_int(a) for a in v):
-        return (int(v[0]), int(v[1]))
-    return None
-
-
 def _padding(padding: Any) -> str | tuple[tuple[int, int], tuple[int, int]] | None:
     """``"SAME"``/``"VALID"``, or ``((top, bottom), (left, right))``; None if malformed."""
     if isinstance(padding, str):
         p = padding.upper()
         return p if p in ("SAME", "VALID") else None
-    pr = _pair(padding)
+    pr = int_pair(padding)
     if pr is not None:
         return ((pr[0], pr[0]), (pr[1], pr[1]))
     pairs = isinstance(padding, tuple) and len(padding) == 2
-    if pairs and all(isinstance(p, tuple) and _pair(p) is not None for p in padding):
+    if pairs and all(isinstance(p, tuple) and int_pair(p) is not None for p in padding):
         (a, b), (c, d) = padding
         return ((int(a), int(b)), (int(c), int(d)))
+    return None
+
+
+def _nchw_error(shape: tuple[int, ...]) -> str | None:
+    """Message if an image operand of ``shape`` is not rank 4 (N, C, H, W)."""
+    if len(shape) != 4:
+        return f"input must be NCHW (rank 4), got shape {shape}; add a batch axis with expand_dims(axis=0)"
     return None
 
 
@@ -293,11 +288,11 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
     if err := float_check(specs):
         return err
     xs, ws = specs[0][0], specs[1][0]
-    if len(xs) != 4:
-        return f"input must be NCHW (rank 4), got shape {xs}; add a batch axis with expand_dims(axis=0)"
+    if err := _nchw_error(xs):
+        return err
     if len(ws) != 4:
         return f"weight must be OIHW (rank 4: out_channels, in_channels/groups, kH, kW), got shape {ws}"
-    st, dl = _pair(stride), _pair(dilation)
+    st, dl = int_pair(stride), int_pair(dilation)
     if st is None or min(st) < 1:
         return f"attribute stride={stride!r} must be a positive int or a pair of them"
     if dl is None or min(dl) < 1:
@@ -354,8 +349,8 @@ def _conv2d_pads(
     attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1},
     check=_conv2d_check,
 )
-def conv2d(x: Any, w: Any, b: Any = None, *, stride: Any, padding: Any, dilation: Any, groups: int) -> Any:
-    """2-D convolution (cross-correlation) of ``x`` (N, C, H, W) with ``w`` (O, C/groups, kH, kW), plus optional bias (O,).
+def conv2d(x: Any, w: Any, b: Any = None, *, stride: Pair, padding: Padding, dilation: Pair, groups: int) -> Any:
+    """2-D convolution (cross-correlation) of ``x`` (N, C, H, W) with ``w`` (O, C/groups, kH, kW), plus an optional bias ``b`` (O,).
 
     ``stride`` and ``dilation`` are an int or a pair; ``padding`` is an int, a
     pair, ``((top, bottom), (left, right))``, ``"SAME"`` or ``"VALID"``. The
@@ -364,7 +359,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: Any, padding: Any, dilation
     the process on the transposed convolution that ``jax.vjp`` emits for some
     strided shapes (e.g. x (1, 1, 6, 5), w (1, 1, 2, 3), stride 2, padding (1, 0)).
     """
-    st, dl = _pair(stride), _pair(dilation)
+    st, dl = int_pair(stride), int_pair(dilation)
     y = jax.lax.conv_general_dilated(
         x,
         w,
@@ -381,7 +376,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: Any, padding: Any, dilation
 def _conv2d_vjp(
     g: Any, out: Any, x: Any, w: Any, b: Any = None, *, stride: Any, padding: Any, dilation: Any, groups: int
 ) -> tuple[Any, ...]:
-    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
+    (sh, sw), (dh, dw) = int_pair(stride), int_pair(dilation)
     n, c, h, wd = x.shape
     o, cg, kh, kw = w.shape
     (p0, p1), (q0, q1) = _conv2d_pads((h, wd), (kh, kw), (sh, sw), (dh, dw), padding)
@@ -415,19 +410,23 @@ def _conv2d_vjp(
 # --------------------------------------------------------------------------- pooling
 
 
+def _pool_pairs(kernel_size: Any, stride: Any, padding: Any) -> tuple[Any, Any, Any]:
+    """Kernel size, stride (None = the kernel size) and padding as ``(h, w)`` int pairs; None where malformed."""
+    k = int_pair(kernel_size)
+    return k, k if stride is None else int_pair(stride), int_pair(padding)
+
+
 def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding: Any) -> str | None:
     if err := float_check(specs):
         return err
     xs = specs[0][0]
-    if len(xs) != 4:
-        return f"input must be NCHW (rank 4), got shape {xs}; add a batch axis with expand_dims(axis=0)"
-    k = _pair(kernel_size)
+    if err := _nchw_error(xs):
+        return err
+    k, s, p = _pool_pairs(kernel_size, stride, padding)
     if k is None or min(k) < 1:
         return f"attribute kernel_size={kernel_size!r} must be a positive int or a pair of them"
-    s = k if stride is None else _pair(stride)
     if s is None or min(s) < 1:
         return f"attribute stride={stride!r} must be None (= kernel_size), a positive int or a pair of them"
-    p = _pair(padding)
     if p is None or min(p) < 0:
         return f"attribute padding={padding!r} must be a non-negative int or a pair of them"
     if p[0] * 2 > k[0] or p[1] * 2 > k[1]:
@@ -439,9 +438,7 @@ def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding:
 
 
 def _window(kernel_size: Any, stride: Any, padding: Any) -> tuple[Any, Any, Any]:
-    k = _pair(kernel_size)
-    s = k if stride is None else _pair(stride)
-    p = _pair(padding)
+    k, s, p = _pool_pairs(kernel_size, stride, padding)
     return (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))
 
 
@@ -449,7 +446,7 @@ _POOL_ATTRS = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
 
 
 @op("max_pool2d", arity=1, attrs=_POOL_ATTRS, check=_pool_check)
-def max_pool2d(x: Any, kernel_size: Any, stride: Any, padding: Any) -> Any:
+def max_pool2d(x: Any, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Any:
     """Max over ``kernel_size`` windows of ``x`` (N, C, H, W); ``stride`` defaults to ``kernel_size``.
 
     Padding is implicit ``-inf``. Via ``jax.lax.reduce_window``; the VJP is
@@ -462,7 +459,7 @@ def max_pool2d(x: Any, kernel_size: Any, stride: Any, padding: Any) -> Any:
 
 
 @op("avg_pool2d", arity=1, attrs=_POOL_ATTRS, check=_pool_check)
-def avg_pool2d(x: Any, kernel_size: Any, stride: Any, padding: Any) -> Any:
+def avg_pool2d(x: Any, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Any:
     """Mean over ``kernel_size`` windows of ``x`` (N, C, H, W); ``stride`` defaults to ``kernel_size``.
 
     Zero padding counts in the mean (the divisor is always kH * kW). Via
@@ -497,7 +494,7 @@ def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | 
         target = batch + (q[-2], k[-2])
         if not broadcasts_to(ms, target):
             return f"mask has shape {ms} but must broadcast to (..., Lq, Lk) = {target}"
-    if scale is not None and not _is_number(scale):
+    if scale is not None and not is_number(scale):
         return f"attribute scale={scale!r} must be a number or None (= 1/sqrt(D))"
     if not isinstance(causal, (bool, np.bool_)):
         return f"attribute causal={causal!r} must be True or False"
@@ -525,8 +522,15 @@ def _attention_probs(q: Any, k: Any, mask: Any, scale: Any, causal: bool) -> tup
     return e / jnp.where(den > 0, den, jnp.ones((), s.dtype)), sc
 
 
-@op("attention", arity=(3, 4), attrs={"scale": None, "causal": False}, nondiff=(3,), check=_attention_check)
-def attention(q: Any, k: Any, v: Any, mask: Any = None, *, scale: Any, causal: bool) -> Any:
+@op(
+    "attention",
+    arity=(3, 4),
+    attrs={"scale": None, "causal": False},
+    nondiff=(3,),
+    check=_attention_check,
+    aliases=("scaled_dot_product_attention",),
+)
+def attention(q: Any, k: Any, v: Any, mask: Any = None, *, scale: float | None, causal: bool) -> Any:
     """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims

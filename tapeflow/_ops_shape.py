@@ -16,13 +16,14 @@ Integer-array indexing goes through the ``take``, ``gather`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from ._checks import axes_error, axis_error, broadcasts_to, int_tuple, is_int, is_int_dtype, same_dtype
-from ._registry import REQUIRED, Spec, op, unbroadcast, xp_of
+from ._registry import REQUIRED, Axes, ShapeLike, Spec, op, unbroadcast, xp_of
 
 __all__ = ["normalize_index"]
 
@@ -64,7 +65,7 @@ def _reshape_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
 
 
 @op("reshape", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_reshape_check)
-def reshape(x: Any, shape: Any) -> Any:
+def reshape(x: Any, shape: ShapeLike) -> Any:
     """Reshape to ``shape`` (an int or tuple of ints; one entry may be -1, inferred)."""
     return xp_of(x).reshape(x, shape)
 
@@ -114,13 +115,13 @@ def _transpose_vjp(g: Any, out: Any, x: Any, axes: Any) -> tuple[Any]:
 
 
 @op("transpose", arity=1, attrs={"axes": None}, exact=True, check=_perm_check)
-def transpose(x: Any, axes: Any) -> Any:
+def transpose(x: Any, axes: Sequence[int] | None) -> Any:
     """Permute the axes: ``axes`` is a permutation of ``range(x.ndim)``, None (default) reverses them."""
     return _transpose(x, axes)
 
 
 @op("permute", arity=1, attrs={"axes": REQUIRED}, exact=True, check=_permute_check)
-def permute(x: Any, axes: Any) -> Any:
+def permute(x: Any, axes: Sequence[int]) -> Any:
     """Permute the axes by ``axes`` (required; same semantics as ``transpose``)."""
     return _transpose(x, axes)
 
@@ -146,7 +147,7 @@ def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
 
 
 @op("broadcast_to", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_broadcast_to_check)
-def broadcast_to(x: Any, shape: Any) -> Any:
+def broadcast_to(x: Any, shape: ShapeLike) -> Any:
     """Broadcast ``x`` to ``shape`` with NumPy rules; the VJP sums over the broadcast axes."""
     return xp_of(x).broadcast_to(x, int_tuple(shape))
 
@@ -165,7 +166,7 @@ def _expand_dims_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 
 @op("expand_dims", arity=1, attrs={"axis": REQUIRED}, exact=True, check=_expand_dims_check)
-def expand_dims(x: Any, axis: Any) -> Any:
+def expand_dims(x: Any, axis: Axes) -> Any:
     """Insert size-1 axes at ``axis`` (an int or tuple, positions in the result)."""
     return xp_of(x).expand_dims(x, int_tuple(axis))
 
@@ -193,7 +194,7 @@ def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 
 @op("squeeze", arity=1, attrs={"axis": None}, exact=True, check=_squeeze_check)
-def squeeze(x: Any, axis: Any) -> Any:
+def squeeze(x: Any, axis: Axes | None) -> Any:
     """Remove size-1 axes: those named by ``axis`` (each must have size 1), or all of them if None."""
     return xp_of(x).squeeze(x, axis=None if axis is None else int_tuple(axis))
 
@@ -226,7 +227,7 @@ def _concat_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 @op("concat", arity=(1, None), attrs={"axis": 0}, exact=True, check=_concat_check)
 def concat(*xs: Any, axis: int) -> Any:
-    """Concatenate the operands along ``axis`` (same dtype, same shape except along ``axis``)."""
+    """Concatenate the sequence of operands ``xs`` along ``axis`` (same dtype, same shape except along ``axis``)."""
     return xp_of(xs[0]).concatenate(xs, axis=axis)
 
 
@@ -317,12 +318,12 @@ def _index_check(specs: tuple[Spec, ...], index: Any) -> str | None:
             k += v is not None
     axes_items = [(p, v) for p, v in zip(pos, (w for w in idx if w is not Ellipsis))]
     for p, v in axes_items:
-        if isinstance(v, int) and not -shape[p] <= v < shape[p]:
+        if is_int(v) and not -shape[p] <= v < shape[p]:
             return f"index {v} is out of bounds for axis {p} of size {shape[p]}"
     return None
 
 
-@op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check)
+@op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check, public=False)  # x[...] records it
 def index(x: Any, index: Any) -> Any:
     """Basic indexing ``x[index]`` with ints, slices, None and Ellipsis (see :func:`normalize_index`).
 

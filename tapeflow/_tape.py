@@ -30,6 +30,7 @@ from . import _registry as R
 from ._checks import is_int
 from ._device import resolve_device
 from ._result import Err, Ok, TapeError
+from ._typing import Array
 
 __all__ = ["Node", "Tape", "leaf", "record", "keep_tape_on_error", "backward"]
 
@@ -268,16 +269,6 @@ def leaf(tape: Tape, value: Any, requires_grad: bool = False) -> tuple[Tape, int
     return tape._append(node), tape._n
 
 
-def _freeze(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return tuple(_freeze(x) for x in v)
-    if isinstance(v, dict):
-        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
-    if isinstance(v, slice):
-        return ("slice", v.start, v.stop, v.step)
-    return v
-
-
 def _operands_note(tape: Tape, inputs: Any) -> str:
     """`` (operands: ...)`` for an error message, or ``""`` when ``inputs`` are not all node ids."""
     try:
@@ -418,15 +409,18 @@ def check_op(op: str, attrs: dict[str, Any], specs: tuple[R.Spec, ...]) -> R.Fwd
     if d is None:
         return _unknown_op(op, f" (operands: {R.describe(specs)})")
     if attrs:
-        akey: tuple[tuple[str, Any], ...] = tuple(sorted(attrs.items()))
+        # fast path: attributes given in normalized form hit the cache as they are
+        try:
+            hit = _FWD_CACHE.get((op, tuple(sorted(attrs.items())), specs))
+        except TypeError:  # unhashable: needs normalizing
+            hit = None
+        if hit is not None:
+            return hit
+        akey = R.normalize_attrs(attrs)
         try:
             hash(akey)
-        except TypeError:
-            akey = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
-            try:
-                hash(akey)
-            except TypeError as e:
-                return f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
+        except TypeError as e:
+            return f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
     else:
         akey = ()
     entry = R.get_fwd(op, akey, specs)
@@ -472,7 +466,8 @@ _add = jax.jit(jnp.add)
 _ONE: dict[np.dtype, np.ndarray] = {}
 
 
-def _accum(a: Any, b: Any) -> Any:
+def add_cotangents(a: Array, b: Array) -> Array:
+    """``a + b`` for two cotangents of one node: a compiled add, or NumPy's for exact rationals."""
     if isinstance(a, np.ndarray) and a.dtype == R.OBJECT:
         return a + b
     return _add(a, b)
@@ -580,7 +575,7 @@ def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None 
             ct = cts[k]
             k += 1
             prev = cot.get(p)
-            cot[p] = ct if prev is None else _accum(prev, ct)
+            cot[p] = ct if prev is None else add_cotangents(prev, ct)
     if want is not None:
         for w in want:
             if w not in result:

@@ -77,6 +77,14 @@ SCRIPT = textwrap.dedent(
             assert str(e), bad
         else:
             raise AssertionError(f"Session(device={bad!r}) did not raise")
+    # default_device() follows JAX's default-device setting (a device or a platform name)
+    from tapeflow._device import default_device
+    assert default_device() == cpus[0]
+    with jax.default_device(cpus[2]):
+        assert default_device() == cpus[2]
+    with jax.default_device("cpu"):
+        assert default_device() == cpus[0]
+    assert default_device() == cpus[0]
     print("DEVICES-OK")
     """
 )

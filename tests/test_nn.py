@@ -99,7 +99,7 @@ def test_containers_definition_order_and_repr():
     text = repr(m)
     assert text.splitlines()[0] == "_Containers()"
     assert "(blocks.a): Linear(in_features=2, out_features=2, bias=True)" in text
-    assert "float32[2, 2]" in text
+    assert "float32[2,2]" in text  # shapes and dtypes read as everywhere else (registry fmt_spec)
 
     lin = nn.Linear(2, 2, key=jax.random.key(0))
     r = repr(nn.Sequential(lin, tfl.relu, lin))

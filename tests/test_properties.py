@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from absl.testing import parameterized
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -318,7 +319,7 @@ def test_backward_equals_jax_grad(prog: Any) -> None:
         g = np.asarray(got[i])
         assert g.shape == w.shape and g.dtype == np.float64
         scale = 1.0 + float(np.max(np.abs(w), initial=0.0))
-        np.testing.assert_allclose(g, w, rtol=1e-7, atol=1e-9 * scale, err_msg=f"leaf {i}: {instrs}")
+        chex.assert_trees_all_close(g, w, rtol=1e-7, atol=1e-9 * scale, strict=True, custom_message=f"leaf {i}: {instrs}")
     # without wrt: exactly the reached leaves, same values
     plain = tfl.backward(t, root)
     assert set(plain) <= set(ids)
@@ -326,34 +327,43 @@ def test_backward_equals_jax_grad(prog: Any) -> None:
         np.testing.assert_array_equal(np.asarray(plain[i]), np.asarray(got[i]))
 
 
-def _check(inputs: list[np.ndarray], instrs: list[Any]) -> None:
-    t, root, ids = run_tape(inputs, instrs)
+def _check(inputs: list[np.ndarray], instrs: list[Any], variant: Any) -> None:
+    """``tfl.backward`` of the recorded program equals ``jax.grad`` of the plain one.
+
+    ``variant`` (a chex variant: with or without ``jax.jit``) wraps the recording
+    and the backward pass together; node ids are fixed by the program, so they
+    come from an eager recording.
+    """
+    _, root, ids = run_tape(inputs, instrs)
     xs = [jnp.asarray(v) for v in inputs]
     want = jax.grad(lambda *v: run_plain(instrs, *v), argnums=tuple(range(len(xs))))(*xs)
-    got = tfl.backward(t, root, wrt=ids)
-    for i, w in zip(ids, want):
-        np.testing.assert_allclose(got[i], w, rtol=1e-9, atol=1e-12, err_msg=f"leaf {i}: {instrs}")
+    got = variant(lambda *v: tfl.backward(run_tape(list(v), instrs)[0], root, wrt=ids))(*xs)
+    assert set(got) == set(ids)
+    chex.assert_trees_all_close(
+        tuple(got[i] for i in ids), want, rtol=1e-9, atol=1e-12, strict=True, custom_message=f"leaves {ids}: {instrs}"
+    )
 
 
 _AXES = [(0, False), (0, True), (1, True), (2, True), (1, False)]  # (axis_choice, keep) of _Builder.step
 _CONFIGS = [(k, ax, keep) for k in KINDS for ax, keep in (_AXES if k in REDUCTIONS else [(0, False)])]
 
 
-@pytest.mark.parametrize(
-    "kind,axis_choice,keep", _CONFIGS, ids=[f"{k}-{a}-{int(kp)}" for k, a, kp in _CONFIGS]
-)
-def test_every_kind_on_full_shapes(kind: str, axis_choice: int, keep: bool) -> None:
-    # deterministic companion of the property: every instruction kind runs once on
-    # rank-2 / rank-3 operands, with exact ties between the two leaves (row 0 of x0 equals x1)
-    for base in [(2, 3), (2, 2, 3)]:
-        rs = np.random.default_rng(len(base))
-        x0 = rs.uniform(-2, 2, size=base)
-        x1 = x0[:1].copy()
-        b = _Builder([x0.shape, x1.shape], 2.0)
-        b.step(kind, 0, 1, 0, 1, axis_choice, keep)
-        b.step(kind, len(b.shape) - 1, 0, 1, 0, axis_choice, keep)
-        b.finish()
-        _check([x0, x1], b.instrs)
+class TestEveryKind(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((f"{k}_{a}_{int(kp)}", k, a, kp) for k, a, kp in _CONFIGS))
+    def test_every_kind_on_full_shapes(self, kind: str, axis_choice: int, keep: bool) -> None:
+        # deterministic companion of the property: every instruction kind runs once on
+        # rank-2 / rank-3 operands, with exact ties between the two leaves (row 0 of x0 equals x1),
+        # eagerly and under jax.jit
+        for base in [(2, 3), (2, 2, 3)]:
+            rs = np.random.default_rng(len(base))
+            x0 = rs.uniform(-2, 2, size=base)
+            x1 = x0[:1].copy()
+            b = _Builder([x0.shape, x1.shape], 2.0)
+            b.step(kind, 0, 1, 0, 1, axis_choice, keep)
+            b.step(kind, len(b.shape) - 1, 0, 1, 0, axis_choice, keep)
+            b.finish()
+            _check([x0, x1], b.instrs, self.variant)
 
 
 def test_family_helper() -> None:

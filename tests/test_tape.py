@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import threading
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,8 +154,8 @@ def test_forks_are_independent():
     ga = tfl.backward(a, ra2, seed=jnp.ones(2))[x]
     gb = tfl.backward(b, rb3, seed=jnp.ones(2))[x]
     xv = jnp.array([1.0, 2.0])
-    np.testing.assert_allclose(ga, jax.grad(lambda v: jnp.sum(jnp.exp(v + v * v)))(xv), rtol=1e-6)
-    np.testing.assert_allclose(gb, jax.grad(lambda v: jnp.sum(v - v * v))(xv), rtol=1e-6)
+    chex.assert_trees_all_close(ga, jax.grad(lambda v: jnp.sum(jnp.exp(v + v * v)))(xv), rtol=1e-6, strict=True)
+    chex.assert_trees_all_close(gb, jax.grad(lambda v: jnp.sum(v - v * v))(xv), rtol=1e-6, strict=True)
 
 
 def test_fork_of_a_fork_and_leaf_forks():
@@ -254,9 +255,8 @@ def test_tape_through_jit_argument_and_result():
     # the returned tape keeps working eagerly
     t3, r = rec(t2, "sum", (5,))
     g = tfl.backward(t3, r)
-    np.testing.assert_allclose(
-        g[0], jax.grad(lambda v: jnp.sum(jnp.exp(v * 0.5) * v))(jnp.asarray(xv)), rtol=1e-6
-    )
+    want = jax.grad(lambda v: jnp.sum(jnp.exp(v * 0.5) * v))(jnp.asarray(xv))
+    chex.assert_trees_all_close(g[0], want, rtol=1e-6, strict=True)
 
     # and backward itself can run on a tape passed into jit
     gj = jax.jit(lambda tape: tfl.backward(tape, 3))(t)
@@ -385,60 +385,18 @@ def test_keep_tape_on_error():
 
 
 # --------------------------------------------------------------------------- backward
+# The pure-core backward tests run as chex variants: once eagerly and once with the
+# whole program (recording and backward) under jax.jit, where every kernel inlines
+# into one trace. Node ids are Python ints fixed by the recording order, so they are
+# read from an eager recording; under jit the gradient dict keeps them as its keys.
 
 
-def test_backward_scalar_default_seed():
-    xv = jnp.array([0.3, -1.2, 2.0])
-    t, x = tfl.leaf(tfl.Tape.empty(), xv, requires_grad=True)
-    t, s = rec(t, "sin", (x,))
-    t, y = rec(t, "mul", (s, x))
-    t, z = rec(t, "sum", (y,))
-    g = tfl.backward(t, z)
-    assert set(g) == {x}
-    np.testing.assert_allclose(g[x], jax.grad(lambda v: jnp.sum(jnp.sin(v) * v))(xv), rtol=1e-12)
-    # an Ok is accepted as the root too
-    _, zr = tfl.record(t, "sum", (y,))
-    assert zr.is_ok
-
-
-def test_backward_nonscalar_root_needs_seed():
-    t, x = tfl.leaf(tfl.Tape.empty(), jnp.ones((2, 2)), requires_grad=True)
-    t, y = rec(t, "exp", (x,))
-    with pytest.raises(tfl.TapeError, match="seed"):
-        tfl.backward(t, y)
-    with pytest.raises(tfl.TapeError, match="seed"):
-        tfl.backward(t, y, seed=jnp.ones(3))
-
-
-def test_backward_explicit_seed():
-    xv = jnp.array([[0.5, -1.0], [2.0, 0.1]])
-    sv = jnp.array([[1.0, 2.0], [-3.0, 0.25]])
-    t, x = tfl.leaf(tfl.Tape.empty(), xv, requires_grad=True)
-    t, y = rec(t, "tanh", (x,))
-    g = tfl.backward(t, y, seed=sv)
-    _, pull = jax.vjp(jnp.tanh, xv)
-    np.testing.assert_allclose(g[x], pull(sv)[0], rtol=1e-12)
-    # a scalar root with an explicit seed scales the gradient
-    t, z = rec(t, "sum", (y,))
-    g3 = tfl.backward(t, z, seed=jnp.array(3.0))
-    np.testing.assert_allclose(g3[x], 3 * (1 - jnp.tanh(xv) ** 2), rtol=1e-12)
-
-
-def test_backward_bad_root_and_wrt():
-    t, x = tfl.leaf(tfl.Tape.empty(), jnp.array(1.0), requires_grad=True)
-    with pytest.raises(tfl.TapeError):
-        tfl.backward(t, 1)
-    with pytest.raises(tfl.TapeError):
-        tfl.backward(t, -1)
-    with pytest.raises(tfl.TapeError):
-        tfl.backward(t, "0")
-    with pytest.raises(tfl.TapeError):
-        tfl.backward(t, 0, wrt=[5])
-
-
-def _three_leaf_tape():
+def _three_leaf_values():
     rs = rng(1)
-    av, bv, cv = (jnp.asarray(rs.normal(size=s)) for s in [(3,), (3,), (2, 3)])
+    return tuple(jnp.asarray(rs.normal(size=s)) for s in [(3,), (3,), (2, 3)])
+
+
+def _three_leaf_build(av, bv, cv):
     t = tfl.Tape.empty()
     t, a = tfl.leaf(t, av, requires_grad=True)
     t, b = tfl.leaf(t, bv, requires_grad=True)
@@ -447,113 +405,228 @@ def _three_leaf_tape():
     t, abc = rec(t, "add", (c, ab))  # broadcast (2,3) + (3,)
     t, e = rec(t, "exp", (abc,))
     t, z = rec(t, "sum", (e,))
-    return t, (a, b, c, ab, abc, e, z), (av, bv, cv)
+    return t, z, (a, b, c, ab, abc, e, z)
 
 
-def test_backward_wrt_restricts_and_requires_grad_false_is_absent():
-    t, (a, b, c, ab, abc, e, z), (av, bv, cv) = _three_leaf_tape()
-    plain = lambda a_, b_, c_: jnp.sum(jnp.exp(c_ + a_ * b_))  # noqa: E731
-    ga, gb, gc = jax.grad(plain, argnums=(0, 1, 2))(av, bv, cv)
-    g = tfl.backward(t, z)
-    assert set(g) == {a, b}  # c does not require grad
-    np.testing.assert_allclose(g[a], ga, rtol=1e-12)
-    np.testing.assert_allclose(g[b], gb, rtol=1e-12)
-    g = tfl.backward(t, z, wrt=[b])
-    assert set(g) == {b}
-    np.testing.assert_allclose(g[b], gb, rtol=1e-12)
+def _three_leaf_tape():
+    vs = _three_leaf_values()
+    t, _, ids = _three_leaf_build(*vs)
+    return t, ids, vs
 
 
-def test_backward_interior_nodes_in_wrt():
-    t, (a, b, c, ab, abc, e, z), (av, bv, cv) = _three_leaf_tape()
-    g = tfl.backward(t, z, wrt=[ab, e, a, z])
-    assert set(g) == {ab, e, a, z}
-    pre = cv + av * bv
-    np.testing.assert_allclose(g[e], np.ones((2, 3)))
-    np.testing.assert_allclose(g[z], 1.0)
-    np.testing.assert_allclose(g[ab], jax.grad(lambda h: jnp.sum(jnp.exp(cv + h)))(av * bv), rtol=1e-12)
-    np.testing.assert_allclose(g[a], np.sum(np.exp(pre), axis=0) * bv, rtol=1e-12)
+class TestBackward(chex.TestCase):
+    def backward(self, build, *values, seed=None, wrt=None):
+        """``tfl.backward(tape, root, seed=seed, wrt=wrt)`` for ``(tape, root, ...) = build(*values)``, run
+        through ``self.variant`` (the values and the seed are traced under jit; ``wrt`` ids stay static)."""
+        root = build(*values)[1]
+        return self.variant(lambda vs, s: tfl.backward(build(*vs)[0], root, seed=s, wrt=wrt))(values, seed)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_scalar_default_seed(self):
+        xv = jnp.array([0.3, -1.2, 2.0])
 
-def test_backward_unreached_requested_leaf_gets_zeros():
-    t, x = tfl.leaf(tfl.Tape.empty(), jnp.ones(3), requires_grad=True)
-    t, u = tfl.leaf(t, jnp.ones((2, 5), jnp.float32), requires_grad=True)  # never used
-    t, y = rec(t, "sum", (x,))
-    g = tfl.backward(t, y, wrt=[x, u])
-    assert set(g) == {x, u}
-    assert g[u].shape == (2, 5) and g[u].dtype == jnp.float32
-    np.testing.assert_array_equal(g[u], np.zeros((2, 5)))
-    np.testing.assert_array_equal(g[x], np.ones(3))
-    # without wrt the unreached leaf is simply absent
-    assert set(tfl.backward(t, y)) == {x}
+        def build(v):
+            t, x = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+            t, s = rec(t, "sin", (x,))
+            t, y = rec(t, "mul", (s, x))
+            t, z = rec(t, "sum", (y,))
+            return t, z, x, y
 
+        _, _, x, _ = build(xv)
+        g = self.backward(build, xv)
+        assert set(g) == {x}
+        chex.assert_trees_all_close(g[x], jax.grad(lambda v: jnp.sum(jnp.sin(v) * v))(xv), rtol=1e-12, strict=True)
 
-def test_backward_sums_cotangents_of_shared_leaf():
-    xv = jnp.array([0.7, -0.4, 1.9])
-    t, x = tfl.leaf(tfl.Tape.empty(), xv, requires_grad=True)
-    t, a = rec(t, "mul", (x, x))
-    t, b = rec(t, "sin", (x,))
-    t, c = rec(t, "add", (a, b))
-    t, d = rec(t, "mul", (c, x))
-    t, e = rec(t, "add", (d, x))
-    t, z = rec(t, "sum", (e,))
-    g = tfl.backward(t, z)
-    want = jax.grad(lambda v: jnp.sum((v * v + jnp.sin(v)) * v + v))(xv)
-    np.testing.assert_allclose(g[x], want, rtol=1e-12)
+        # an Ok is accepted as the root too, with the same gradient
+        def by_ok(v):
+            t, _, _, y = build(v)
+            t, zr = tfl.record(t, "sum", (y,))
+            assert zr.is_ok
+            return tfl.backward(t, zr)
 
+        chex.assert_trees_all_close(self.variant(by_ok)(xv), g, rtol=1e-12, strict=True)
 
-def test_backward_integer_leaves_never_require_grad():
-    t, i = tfl.leaf(tfl.Tape.empty(), jnp.arange(3), requires_grad=True)
-    t, bmask = tfl.leaf(t, jnp.array([True, False, True]), requires_grad=True)
-    t, x = tfl.leaf(t, jnp.array([1.0, 2.0, 3.0]), requires_grad=True)
-    assert not t[i].requires_grad and not t[bmask].requires_grad and t[x].requires_grad
-    t, fi = rec(t, "astype", (i,), dtype=jnp.float64)
-    assert not t[fi].requires_grad
-    t, y = rec(t, "mul", (fi, x))
-    t, y2 = rec(t, "where", (bmask, y, x))
-    t, z = rec(t, "sum", (y2,))
-    g = tfl.backward(t, z)
-    assert set(g) == {x}
-    np.testing.assert_allclose(g[x], [0.0, 1.0, 2.0])
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_nonscalar_root_needs_seed(self):
+        def build(v):
+            t, x = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+            t, y = rec(t, "exp", (x,))
+            return t, y
 
+        with pytest.raises(tfl.TapeError, match="seed"):
+            self.backward(build, jnp.ones((2, 2)))
+        with pytest.raises(tfl.TapeError, match="seed"):
+            self.backward(build, jnp.ones((2, 2)), seed=jnp.ones(3))
 
-def test_backward_matches_jax_grad_mlp():
-    rs = rng(2)
-    xv = jnp.asarray(rs.normal(size=(5, 4)))
-    w1v = jnp.asarray(rs.normal(size=(4, 6)))
-    b1v = jnp.asarray(rs.normal(size=(6,)))
-    w2v = jnp.asarray(rs.normal(size=(6, 3)))
-    t = tfl.Tape.empty()
-    t, x = tfl.leaf(t, xv)
-    t, w1 = tfl.leaf(t, w1v, requires_grad=True)
-    t, b1 = tfl.leaf(t, b1v, requires_grad=True)
-    t, w2 = tfl.leaf(t, w2v, requires_grad=True)
-    t, h = rec(t, "matmul", (x, w1))
-    t, h = rec(t, "add", (h, b1))
-    t, h = rec(t, "tanh", (h,))
-    t, o = rec(t, "matmul", (h, w2))
-    t, o2 = rec(t, "mul", (o, o))
-    t, m = rec(t, "max", (o2,), axis=1)
-    t, l = rec(t, "mean", (m,))
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_explicit_seed(self):
+        xv = jnp.array([[0.5, -1.0], [2.0, 0.1]])
+        sv = jnp.array([[1.0, 2.0], [-3.0, 0.25]])
 
-    def plain(w1_, b1_, w2_):
-        o_ = jnp.tanh(xv @ w1_ + b1_) @ w2_
-        return jnp.mean(jnp.max(o_ * o_, axis=1))
+        def build(v):
+            t, x = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+            t, y = rec(t, "tanh", (x,))
+            return t, y, x
 
-    want = jax.grad(plain, argnums=(0, 1, 2))(w1v, b1v, w2v)
-    g = tfl.backward(t, l)
-    assert set(g) == {w1, b1, w2}
-    for k, wv in zip((w1, b1, w2), want):
-        np.testing.assert_allclose(g[k], wv, rtol=1e-10, atol=1e-12)
+        x = build(xv)[2]
+        g = self.backward(build, xv, seed=sv)
+        _, pull = jax.vjp(jnp.tanh, xv)
+        chex.assert_trees_all_close(g[x], pull(sv)[0], rtol=1e-12, strict=True)
 
+        # a scalar root with an explicit seed scales the gradient
+        def build_sum(v):
+            t, y, _ = build(v)
+            t, z = rec(t, "sum", (y,))
+            return t, z
 
-def test_backward_float32_dtypes_preserved():
-    xv = jnp.array([1.0, 2.0], jnp.float32)
-    t, x = tfl.leaf(tfl.Tape.empty(), xv, requires_grad=True)
-    t, y = rec(t, "exp", (x,))
-    t, z = rec(t, "sum", (y,))
-    g = tfl.backward(t, z)
-    assert g[x].dtype == jnp.float32
-    np.testing.assert_allclose(g[x], np.exp([1.0, 2.0]), rtol=1e-6)
+        g3 = self.backward(build_sum, xv, seed=jnp.array(3.0))
+        chex.assert_trees_all_close(g3[x], 3 * (1 - jnp.tanh(xv) ** 2), rtol=1e-12, strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_bad_root_and_wrt(self):
+        def backward(root, **kw):
+            def f(v):
+                t, _ = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+                return tfl.backward(t, root, **kw)
+
+            return self.variant(f)(jnp.array(1.0))
+
+        for root in (1, -1, "0", True):
+            with pytest.raises(tfl.TapeError):
+                backward(root)
+        for wrt in ([5], ["0"]):
+            with pytest.raises(tfl.TapeError):
+                backward(0, wrt=wrt)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_wrt_restricts_and_requires_grad_false_is_absent(self):
+        vs = _three_leaf_values()
+        _, _, (a, b, *_) = _three_leaf_build(*vs)
+        plain = lambda a_, b_, c_: jnp.sum(jnp.exp(c_ + a_ * b_))  # noqa: E731
+        ga, gb, gc = jax.grad(plain, argnums=(0, 1, 2))(*vs)
+        g = self.backward(_three_leaf_build, *vs)
+        assert set(g) == {a, b}  # c does not require grad
+        chex.assert_trees_all_close((g[a], g[b]), (ga, gb), rtol=1e-12, strict=True)
+        g = self.backward(_three_leaf_build, *vs, wrt=[b])
+        assert set(g) == {b}
+        chex.assert_trees_all_close(g[b], gb, rtol=1e-12, strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_interior_nodes_in_wrt(self):
+        vs = av, bv, cv = _three_leaf_values()
+        _, _, (a, b, c, ab, abc, e, z) = _three_leaf_build(*vs)
+        g = self.backward(_three_leaf_build, *vs, wrt=[ab, e, a, z])
+        assert set(g) == {ab, e, a, z}
+        pre = cv + av * bv
+        chex.assert_trees_all_close(g[e], np.ones((2, 3)), strict=True)
+        chex.assert_trees_all_close(g[z], np.float64(1.0), strict=True)
+        want_ab = jax.grad(lambda h: jnp.sum(jnp.exp(cv + h)))(av * bv)
+        chex.assert_trees_all_close(g[ab], want_ab, rtol=1e-12, strict=True)
+        chex.assert_trees_all_close(g[a], np.sum(np.exp(pre), axis=0) * bv, rtol=1e-12, strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_unreached_requested_leaf_gets_zeros(self):
+        def build(xv, uv):
+            t, x = tfl.leaf(tfl.Tape.empty(), xv, requires_grad=True)
+            t, u = tfl.leaf(t, uv, requires_grad=True)  # never used
+            t, y = rec(t, "sum", (x,))
+            return t, y, x, u
+
+        vs = (jnp.ones(3), jnp.ones((2, 5), jnp.float32))
+        _, _, x, u = build(*vs)
+        g = self.backward(build, *vs, wrt=[x, u])
+        assert set(g) == {x, u}
+        assert g[u].shape == (2, 5) and g[u].dtype == jnp.float32
+        np.testing.assert_array_equal(g[u], np.zeros((2, 5)))
+        np.testing.assert_array_equal(g[x], np.ones(3))
+        # without wrt the unreached leaf is simply absent
+        assert set(self.backward(build, *vs)) == {x}
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_sums_cotangents_of_shared_leaf(self):
+        xv = jnp.array([0.7, -0.4, 1.9])
+
+        def build(v):
+            t, x = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+            t, a = rec(t, "mul", (x, x))
+            t, b = rec(t, "sin", (x,))
+            t, c = rec(t, "add", (a, b))
+            t, d = rec(t, "mul", (c, x))
+            t, e = rec(t, "add", (d, x))
+            t, z = rec(t, "sum", (e,))
+            return t, z, x
+
+        x = build(xv)[2]
+        g = self.backward(build, xv)
+        want = jax.grad(lambda v: jnp.sum((v * v + jnp.sin(v)) * v + v))(xv)
+        chex.assert_trees_all_close(g, {x: want}, rtol=1e-12, strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_integer_leaves_never_require_grad(self):
+        def build(iv, mv, xv):
+            t, i = tfl.leaf(tfl.Tape.empty(), iv, requires_grad=True)
+            t, bmask = tfl.leaf(t, mv, requires_grad=True)
+            t, x = tfl.leaf(t, xv, requires_grad=True)
+            t, fi = rec(t, "astype", (i,), dtype=jnp.float64)
+            t, y = rec(t, "mul", (fi, x))
+            t, y2 = rec(t, "where", (bmask, y, x))
+            t, z = rec(t, "sum", (y2,))
+            return t, z, (i, bmask, x, fi)
+
+        vs = (jnp.arange(3), jnp.array([True, False, True]), jnp.array([1.0, 2.0, 3.0]))
+        t, _, (i, bmask, x, fi) = build(*vs)
+        assert not t[i].requires_grad and not t[bmask].requires_grad and t[x].requires_grad
+        assert not t[fi].requires_grad
+        g = self.backward(build, *vs)
+        assert set(g) == {x}
+        chex.assert_trees_all_close(g[x], np.array([0.0, 1.0, 2.0]), strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_matches_jax_grad_mlp(self):
+        rs = rng(2)
+        xv = jnp.asarray(rs.normal(size=(5, 4)))
+        w1v = jnp.asarray(rs.normal(size=(4, 6)))
+        b1v = jnp.asarray(rs.normal(size=(6,)))
+        w2v = jnp.asarray(rs.normal(size=(6, 3)))
+
+        def build(xv, w1v, b1v, w2v):
+            t = tfl.Tape.empty()
+            t, x = tfl.leaf(t, xv)
+            t, w1 = tfl.leaf(t, w1v, requires_grad=True)
+            t, b1 = tfl.leaf(t, b1v, requires_grad=True)
+            t, w2 = tfl.leaf(t, w2v, requires_grad=True)
+            t, h = rec(t, "matmul", (x, w1))
+            t, h = rec(t, "add", (h, b1))
+            t, h = rec(t, "tanh", (h,))
+            t, o = rec(t, "matmul", (h, w2))
+            t, o2 = rec(t, "mul", (o, o))
+            t, m = rec(t, "max", (o2,), axis=1)
+            t, l = rec(t, "mean", (m,))
+            return t, l, (w1, b1, w2)
+
+        def plain(w1_, b1_, w2_):
+            o_ = jnp.tanh(xv @ w1_ + b1_) @ w2_
+            return jnp.mean(jnp.max(o_ * o_, axis=1))
+
+        want = jax.grad(plain, argnums=(0, 1, 2))(w1v, b1v, w2v)
+        ids = build(xv, w1v, b1v, w2v)[2]
+        g = self.backward(build, xv, w1v, b1v, w2v)
+        assert set(g) == set(ids)
+        chex.assert_trees_all_close(tuple(g[k] for k in ids), want, rtol=1e-10, atol=1e-12, strict=True)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_backward_float32_dtypes_preserved(self):
+        def build(v):
+            t, x = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+            t, y = rec(t, "exp", (x,))
+            t, z = rec(t, "sum", (y,))
+            return t, z, x
+
+        xv = jnp.array([1.0, 2.0], jnp.float32)
+        x = build(xv)[2]
+        g = self.backward(build, xv)
+        assert g[x].dtype == jnp.float32
+        np.testing.assert_allclose(g[x], np.exp([1.0, 2.0]), rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- backward peak memory
@@ -604,7 +677,7 @@ def test_backward_drops_interior_cotangents(monkeypatch):
         h, _ = jax.lax.scan(lambda h, _: (jnp.sin(h + v), None), v, None, length=n // 2)
         return jnp.sum(h)
 
-    np.testing.assert_allclose(g[x], jax.grad(plain)(xv), rtol=1e-9, atol=1e-12)
+    chex.assert_trees_all_close(g[x], jax.grad(plain)(xv), rtol=1e-9, atol=1e-12, strict=True)
 
 
 # --------------------------------------------------------------------------- inside jax.jit
@@ -642,18 +715,21 @@ def test_backward_inside_jit_matches_eager_and_jax_grad():
         traces.append(1)
         return _tape_loss_grads(*a)
 
-    jitted = jax.jit(counted)
+    # the whole tape program compiles once: chex fails a second trace of the same shapes
+    jitted = jax.jit(chex.assert_max_traces(counted, n=1))
     inside = jitted(xv, w1v, w2v)
     inside2 = jitted(xv * 0.5, w1v, w2v)
     assert len(traces) == 1
     loss, (g1, g2) = jax.value_and_grad(_plain_loss, argnums=(0, 1))(w1v, w2v, xv)
-    for a, b in zip(inside, eager):
-        np.testing.assert_allclose(a, b, rtol=1e-12)
-    np.testing.assert_allclose(inside[0], loss, rtol=1e-12)
-    np.testing.assert_allclose(inside[1], g1, rtol=1e-10)
-    np.testing.assert_allclose(inside[2], g2, rtol=1e-10)
+    chex.assert_trees_all_close(inside, eager, rtol=1e-12, strict=True)
+    chex.assert_trees_all_close(inside[0], loss, rtol=1e-12, strict=True)
+    chex.assert_trees_all_close(inside[1:], (g1, g2), rtol=1e-10, strict=True)
     # no retrace for new values, and the new values are the ones used
-    np.testing.assert_allclose(inside2[1], jax.grad(_plain_loss, argnums=0)(w1v, w2v, xv * 0.5), rtol=1e-10)
+    want2 = jax.grad(_plain_loss, argnums=0)(w1v, w2v, xv * 0.5)
+    chex.assert_trees_all_close(inside2[1], want2, rtol=1e-10, strict=True)
+    # the trace counter is live: new shapes are a second trace, which it rejects
+    with pytest.raises(AssertionError, match="traced > 1 times"):
+        jitted(xv[:2], w1v, w2v)
 
 
 def test_failed_record_inside_jit_is_atomic():
@@ -711,3 +787,5 @@ def test_node_fields():
     assert dict(nd.attrs) == {"axis": 1, "keepdims": True}
     assert nd.requires_grad and nd.dtype == np.float64
     assert t[np.int64(1)] is nd
+    with pytest.raises(IndexError):
+        t[True]  # a bool is not a node id

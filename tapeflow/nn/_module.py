@@ -18,13 +18,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._params import Param, canonical_indices
+from .._registry import fmt_spec
 
 __all__ = ["Module"]
-
-
-def _spec(p: Param) -> str:
-    shape = ", ".join(map(str, p.shape))
-    return f"{p.dtype}[{shape}]"
 
 
 def _items(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -153,7 +149,7 @@ class Module:
             full = f"{path}.{name}" if path else name
             if isinstance(obj, Param):
                 flags = "" if obj.trainable else ", frozen"
-                lines.append(f"  ({name}): {_spec(obj)}{flags}  storage=#{obj.storage.uid}")
+                lines.append(f"  ({name}): {fmt_spec((obj.shape, obj.dtype))}{flags}  storage=#{obj.storage.uid}")
             elif isinstance(obj, Module):
                 if id(obj) in seen:
                     first = seen[id(obj)] or "<root>"
