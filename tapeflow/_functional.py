@@ -18,27 +18,36 @@ disappears from the compiled program.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeAlias, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _registry as R
+from ._optim import Optimizer, SlotKey
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._session import Session
 from ._tensor import Tensor
+from ._typing import Array, OptState, PRNGKey, PyTree
 
-__all__ = ["value_and_grad", "train_step", "TrainStep", "param_values"]
+__all__ = ["value_and_grad", "train_step", "TrainStep", "TrainStepOptions", "param_values"]
+
+LossFn: TypeAlias = Callable[..., "Tensor | tuple[Tensor, PyTree]"]
+"""``loss_fn(session, *args, **kwargs)``: a scalar Tensor recorded on ``session`` (or ``(loss, aux)`` with ``has_aux``)."""
+
+ParamSpecKey: TypeAlias = "Param | Storage | str"
+"""A key of ``train_step(param_specs=...)``: a Param, its Storage, or its name in the optimizer's params tree."""
 
 
-def _is_param(x: Any) -> bool:
+def _is_param(x: object) -> bool:
     return isinstance(x, Param)
 
 
-def param_values(params: Any) -> Any:
+def param_values(params: PyTree) -> PyTree:
     """The current values of a pytree of Params (same structure, arrays at the leaves).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
@@ -48,13 +57,18 @@ def param_values(params: Any) -> Any:
     return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
 
 
-def _functional_session(overrides: dict[Storage, Any], key: Any) -> Session:
+def _functional_session(overrides: dict[Storage, Array], key: PRNGKey | None) -> Session:
     return Session(device=None, seed=0, param_values=overrides, rng_key=key)
 
 
 def _trace_loss(
-    loss_fn: Callable[..., Any], has_aux: bool, overrides: dict[Storage, Any], key: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Session, Tensor, Any]:
+    loss_fn: LossFn,
+    has_aux: bool,
+    overrides: dict[Storage, Array],
+    key: PRNGKey | None,
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+) -> tuple[Session, Tensor, PyTree]:
     s = _functional_session(overrides, key)
     with s.as_current():
         out = loss_fn(s, *args, **kwargs)
@@ -73,7 +87,7 @@ def _trace_loss(
     return s, loss, aux
 
 
-def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> tuple[list[Any], tuple[bool, ...]]:
+def _storage_grads(s: Session, loss: Tensor, storages: Sequence[Storage]) -> tuple[list[Array], tuple[bool, ...]]:
     """Backward, then one gradient per storage (leaf cotangents summed in leaf order).
 
     Also returns which storages the recording used; an unused one gets zeros.
@@ -83,13 +97,13 @@ def _storage_grads(s: Session, loss: Tensor, storages: list[Storage]) -> tuple[l
     return out, tuple(v is not None for v in summed)
 
 
-def _leaf_path(params: Any, i: int) -> str:
+def _leaf_path(params: PyTree, i: int) -> str:
     """``['name'][0]``-style path of leaf ``i`` of ``params`` (Params are leaves), for error messages."""
     path = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param)[0][i][0]
     return jax.tree_util.keystr(path)
 
 
-def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., tuple[PyTree, PyTree]]:
     """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
 
     ``params`` is any pytree whose leaves are :class:`Param` s (a dict by name, a
@@ -115,7 +129,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
     (7.0, [6.0, 4.0])
     """
 
-    def f(params: Any, *args: Any, rng: Any = None, **kwargs: Any) -> Any:
+    def f(params: PyTree, *args: PyTree, rng: PRNGKey | None = None, **kwargs: PyTree) -> tuple[PyTree, PyTree]:
         leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_param)
         bad = [i for i, p in enumerate(leaves) if not isinstance(p, Param)]
         if bad:
@@ -135,7 +149,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
         overrides = {p.storage: p.value for p in leaves}
         s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
         gl, _ = _storage_grads(s, loss, storages)
-        value = s._tape[loss.id].value
+        value = s.node(loss).value
         grads = jax.tree_util.tree_unflatten(treedef, gl)
         return ((value, aux), grads) if has_aux else (value, grads)
 
@@ -143,17 +157,40 @@ def value_and_grad(loss_fn: Callable[..., Any], *, has_aux: bool = False) -> Cal
     return f
 
 
+class TrainStepOptions(TypedDict, total=False):
+    """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
+
+    >>> sorted(TrainStepOptions.__annotations__)
+    ['data_axis', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
+    """
+
+    mesh: Mesh | None
+    data_axis: str | None
+    param_specs: Mapping[ParamSpecKey, PartitionSpec] | None
+    donate: bool
+    has_aux: bool
+    seed: int
+    static_argnames: tuple[str, ...] | list[str] | str
+
+
 class TrainStep:
-    """A compiled training step made by :func:`train_step`; call it with the batch."""
+    """A compiled training step; :func:`train_step` documents the options. Call it with the batch.
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array(1.0), name="w")
+    >>> step = tfl.TrainStep(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]), donate=False)
+    >>> float(step(jnp.array(2.0))), float(w.value), step.step_count
+    (2.0, 0.0, 1)
+    """
 
     def __init__(
         self,
-        loss_fn: Callable[..., Any],
-        optimizer: Any,
+        loss_fn: LossFn,
+        optimizer: Optimizer,
         *,
-        mesh: Any = None,
+        mesh: Mesh | None = None,
         data_axis: str | None = "data",
-        param_specs: Mapping[Any, Any] | None = None,
+        param_specs: Mapping[ParamSpecKey, PartitionSpec] | None = None,
         donate: bool = True,
         has_aux: bool = False,
         seed: int = 0,
@@ -169,78 +206,86 @@ class TrainStep:
         self.seed = int(seed)
         self.step_count = 0
         self.trace_count = 0
+        # the abstract signatures traced so far: one compiled program each (see cache_size)
+        self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
         self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5,))
-        # per-call fast path: the storages and the records' storage identities, cached
-        self._slots_src: Any = None
-        self._storages: list[Storage] = []
-        self._record_storages: list[Storage] = []
+        # per-parameter shardings for a mesh, cached per tuple of slot storages
+        self._shardings_for: tuple[Storage, ...] | None = None
+        self._shardings: list[NamedSharding] = []
         # the step counter on the device (the program derives the RNG key from it and returns it + 1)
-        self._counter: Any = None
+        self._counter: Array | None = None
         self._counter_step = -1
 
     # -- the pure step ---------------------------------------------------------
     def _pure(
         self,
-        values: list[Any],
-        state: Any,
-        counter: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        static_kwargs: tuple[tuple[str, Any], ...],
-    ) -> Any:
+        values: list[Array],
+        state: OptState,
+        counter: Array,
+        args: tuple[PyTree, ...],
+        kwargs: dict[str, PyTree],
+        static_kwargs: tuple[tuple[str, Hashable], ...],
+    ) -> tuple[list[Array], OptState, Array, Array, PyTree]:
         self.trace_count += 1
+        leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs))
+        self._signatures.add((treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs))
         kwargs = {**kwargs, **dict(static_kwargs)}
         opt = self.optimizer
-        storages = opt.params
+        storages = opt.storages
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = dict(zip(storages, values))
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
         grads, used = _storage_grads(s, loss, storages)
-        new_vals, new_state = opt._update_fn(used)(grads, state, values)
+        new_vals, new_state = opt.update(values, state, grads, used)
         for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
             if tuple(v.shape) != st.shape or np.dtype(v.dtype) != st.dtype:
                 raise TapeError(
-                    f"train_step: the optimizer's update turns {opt._describe_slot(k)} into "
+                    f"train_step: the optimizer's update turns {opt.describe(k)} into "
                     f"{R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))}; a parameter keeps its shape and dtype"
                 )
-        out_loss = s._tape[loss.id].value
-        return new_vals, new_state, counter + 1, out_loss, aux
+        return new_vals, new_state, counter + 1, s.node(loss).value, aux
 
     # -- sharding --------------------------------------------------------------
-    def _spec_for(self, k: int) -> Any:
-        from jax.sharding import PartitionSpec
-
-        opt = self.optimizer
-        st = opt.params[k]
+    def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
         for key, spec in self._param_specs.items():
             if (isinstance(key, Param) and key.storage is st) or key is st:
                 return spec
-            if isinstance(key, str) and opt._names is not None and opt._slot_keys[k] == key:
+            if isinstance(key, str) and slot_key == key:
                 return spec
         return PartitionSpec()
 
-    def _place(self, values: list[Any], state: Any, args: tuple[Any, ...]) -> tuple[list[Any], Any, tuple[Any, ...]]:
-        from jax.sharding import NamedSharding, PartitionSpec
+    def _param_shardings(self, storages: tuple[Storage, ...]) -> list[NamedSharding]:
+        if self._shardings_for is not storages:
+            keys = self.optimizer.slot_keys
+            self._shardings = [NamedSharding(self.mesh, self._spec_for(st, key)) for st, key in zip(storages, keys)]
+            self._shardings_for = storages
+        return self._shardings
 
+    def _place(
+        self, storages: tuple[Storage, ...], values: list[Array], state: OptState, args: tuple[PyTree, ...]
+    ) -> tuple[list[Array], OptState, tuple[PyTree, ...]]:
         mesh = self.mesh
-        opt = self.optimizer
-        n = len(values)
-        pshard = [NamedSharding(mesh, self._spec_for(k)) for k in range(n)]
+        pshard = self._param_shardings(storages)
         repl = NamedSharding(mesh, PartitionSpec())
         values = [jax.device_put(v, sh) for v, sh in zip(values, pshard)]
-        container = dict if opt._names is not None else list
 
-        def place_state(x: Any) -> Any:
-            if type(x) is container and len(x) == n:  # a per-parameter slot tree: shard like the params
-                leaves = opt._leaves(x)
-                return opt._tree([jax.device_put(l, pshard[k]) if hasattr(l, "shape") and tuple(l.shape) == tuple(values[k].shape) else jax.device_put(l, repl) for k, l in enumerate(leaves)])
-            return jax.device_put(x, repl) if hasattr(x, "shape") else x
+        def put(x: PyTree, sharding: NamedSharding) -> PyTree:
+            return jax.device_put(x, sharding) if hasattr(x, "shape") else x
 
-        state = jax.tree_util.tree_map(place_state, state, is_leaf=lambda x: type(x) is container and len(x) == n)
+        def place_part(k: int, part: PyTree) -> PyTree:
+            # k >= 0: parameter k's part of a params-shaped copy (optax.tree_utils.tree_map_params found
+            # it): sharded like the parameter when it has the parameter's shape; anything else replicated
+            def place(x: PyTree) -> PyTree:
+                same = k >= 0 and hasattr(x, "shape") and tuple(x.shape) == storages[k].shape
+                return put(x, pshard[k] if same else repl)
+
+            return jax.tree_util.tree_map(place, part)
+
+        state = jax.tree_util.tree_map(place_part, self.optimizer.slot_indices(state), state)
         batch = NamedSharding(mesh, PartitionSpec(self.data_axis)) if self.data_axis else repl
 
-        def place_arg(a: Any) -> Any:
+        def place_arg(a: PyTree) -> PyTree:
             if hasattr(a, "shape") and len(np.shape(a)) >= 1:
                 return jax.device_put(a, batch)
             return a
@@ -249,52 +294,32 @@ class TrainStep:
         return values, state, args
 
     # -- call ------------------------------------------------------------------
-    def _storages_checked(self) -> list[Storage]:
-        """The optimizer's slot storages; re-derived (and the alias layout checked) only when they change."""
-        opt = self.optimizer
-        recs = [p.storage for p in opt._records]
-        if opt._slot_storages is not self._slots_src or recs != self._record_storages:
-            opt._check_layout()
-            self._slots_src = opt._slot_storages
-            self._storages = list(opt._slot_storages)
-            self._record_storages = recs
-        return self._storages
-
-    def _new_counter(self, values: list[Any]) -> Any:
+    def _new_counter(self, values: list[Array]) -> Array:
         """``step_count`` as a uint32 scalar placed like the program's other inputs (no retrace later)."""
         c = np.asarray(self.step_count, dtype=np.uint32)
         if self.mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
             return jax.device_put(c, NamedSharding(self.mesh, PartitionSpec()))
         committed = [v for v in values if isinstance(v, jax.Array) and getattr(v, "committed", False)]
         return jax.device_put(c, committed[0].sharding) if committed else jnp.asarray(c)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
-        storages = self._storages_checked()
-        # Storage.read(None) inlined: the current cell, wherever it lives
-        values = [st._host if st._host_current else st._mirror for st in storages]
+        storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
+        values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state
         if self.mesh is not None:
-            values, state, args = self._place(values, state, args)
+            values, state, args = self._place(storages, values, state, args)
         if self._counter_step != self.step_count:  # first call, or step_count set by the user
             self._counter = self._new_counter(values)
-        static: tuple[tuple[str, Any], ...] = ()
+        static: tuple[tuple[str, Hashable], ...] = ()
         if self.static_argnames and kwargs:
             static = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         new_vals, new_state, counter, loss, aux = self._compiled(values, state, self._counter, args, kwargs, static)
         if self.mesh is None:
-            # Storage.write(v, on_device=True) without its per-call shape, dtype and device
-            # checks (the trace checked shape and dtype; a one-device program leaves each value
-            # on the device of the cell it read): the new value replaces the cell it came from
-            for st, v in zip(storages, new_vals):
-                if st._host_current:
-                    st._host = v
-                    st._mirror = None
-                else:
-                    st._mirror = v
+            # the trace checked shape and dtype, and a one-device program leaves each value on
+            # the device of the cell it read: the unchecked fast write into that cell is exact
+            Storage.write_current_many(storages, new_vals)
         else:
             for st, v in zip(storages, new_vals):
                 st.write(v, on_device=True)
@@ -305,38 +330,36 @@ class TrainStep:
         return (loss, aux) if self.has_aux else loss
 
     def cache_size(self) -> int:
-        """How many programs are compiled (one per distinct shapes/dtypes/static arguments)."""
-        return int(self._compiled._cache_size())
+        """How many programs are compiled: one per distinct signature traced so far.
+
+        A signature is the pytree structure, shapes, dtypes (and weak types) of the
+        arguments, parameters and optimizer state, plus the static arguments.
+        Unlike :attr:`trace_count` it does not grow when JAX retraces a signature it
+        has seen (e.g. after ``jax.clear_caches()``).
+        """
+        return len(self._signatures)
 
 
-def train_step(
-    loss_fn: Callable[..., Any],
-    optimizer: Any,
-    *,
-    mesh: Any = None,
-    data_axis: str | None = "data",
-    param_specs: Mapping[Any, Any] | None = None,
-    donate: bool = True,
-    has_aux: bool = False,
-    seed: int = 0,
-    static_argnames: tuple[str, ...] | list[str] | str = (),
-) -> TrainStep:
+def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainStepOptions]) -> TrainStep:
     """Compile ``loss_fn(session, *args)`` plus ``optimizer``'s update into one XLA program.
 
     ``step = train_step(loss_fn, opt)`` then ``loss = step(*batch)`` runs forward,
     backward, per-storage sums of tied cotangents and the optax update as one
     compiled call, then writes the new values into the Param storages and the new
     state into ``opt``. It retraces only for new shapes, dtypes or static
-    arguments (``step.trace_count``).
+    arguments (``step.trace_count``). ``train_step(loss_fn, opt, **options)`` is
+    ``TrainStep(loss_fn, opt, **options)``; the options (:class:`TrainStepOptions`,
+    keyword only) are:
 
     * ``mesh``: a ``jax.sharding.Mesh``; arguments are sharded over ``data_axis``
       along their first dimension, parameters are replicated unless
       ``param_specs`` maps a Param (or its name) to a ``PartitionSpec``; per-parameter
       optimizer slots follow their parameter's sharding.
-    * ``donate``: donate the previous parameter and optimizer-state buffers to the
-      update. Arrays still referring to them (a Param value you kept, a leaf of an
-      eager recording that was not reset) become invalid; pass ``donate=False`` if
-      you mix eager recordings with compiled steps.
+    * ``donate`` (default True): donate the previous parameter and optimizer-state
+      buffers to the update. Arrays still referring to them (a Param value you kept,
+      a leaf of an eager recording that was not reset) become invalid; pass
+      ``donate=False`` if you mix eager recordings with compiled steps.
+    * ``has_aux``: ``loss_fn`` returns ``(loss, aux)`` and the step returns both.
     * ``seed``: session random tensors in step ``k`` derive from ``fold_in(key(seed), k)``.
     * ``static_argnames``: keyword arguments of ``loss_fn`` passed as compile-time
       constants (hashable Python values such as a flag or a mode string); each
@@ -349,14 +372,4 @@ def train_step(
     >>> round(float(step(jnp.array(1.0))), 3), round(float(w.value), 3)
     (4.0, 2.0)
     """
-    return TrainStep(
-        loss_fn,
-        optimizer,
-        mesh=mesh,
-        data_axis=data_axis,
-        param_specs=param_specs,
-        donate=donate,
-        has_aux=has_aux,
-        seed=seed,
-        static_argnames=static_argnames,
-    )
+    return TrainStep(loss_fn, optimizer, **options)

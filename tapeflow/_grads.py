@@ -27,7 +27,7 @@ import numpy as np
 
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._tape import _accum
+from ._tape import add_cotangents
 from ._tensor import Tensor
 from ._typing import Array, NodeId
 
@@ -87,7 +87,7 @@ def sum_in_leaf_order(parts: Sequence[Any]) -> Any:
     """
     g = parts[0]
     for extra in parts[1:]:
-        g = _accum(g, extra)
+        g = add_cotangents(g, extra)
     return g
 
 

@@ -3,9 +3,11 @@
 The optimizer state has **one slot per storage**: parameters tied with
 :func:`~tapeflow.tie` share a slot, so they never get two moment histories.
 :meth:`Optimizer.step` takes the :class:`~tapeflow.Grads` of a recording,
-sums the cotangents of every leaf of a storage, validates everything, and then
-applies one compiled optax update per step that writes each storage once,
-starting from its *current* value.
+takes the per-storage gradient sums from it (:meth:`Grads.group_gradient`, the
+one home of the tied-weight sum), validates everything, and then applies one
+compiled optax update per step that writes each storage once, starting from its
+*current* value. :meth:`Optimizer.update` is that update as a pure function,
+which :func:`~tapeflow.train_step` traces into its program.
 
 >>> import jax.numpy as jnp, optax, tapeflow as tfl
 >>> w = tfl.Param(jnp.array(1.0), name="w")
@@ -19,23 +21,41 @@ starting from its *current* value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.tree_utils import tree_map_params
 
 from . import _registry as R
+from ._grads import Grads, ParameterGroup, release_arrays, sum_in_leaf_order
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
-from ._grads import Grads, release_arrays, sum_in_leaf_order
+from ._typing import Array, ArrayLike, OptState, PyTree
 
-__all__ = ["Optimizer"]
+if TYPE_CHECKING:
+    from .nn import Module
+
+__all__ = ["Optimizer", "slot_index_tree"]
+
+SlotKey: TypeAlias = "str | int"
+"""The key of one slot in the optax params pytree: the first name of its storage (mapping), else its position."""
+
+ParamCollection: TypeAlias = "Param | Sequence[Param] | Mapping[str, Param] | Module"
+"""What :class:`Optimizer` accepts: one Param, a sequence, a mapping ``name -> Param``, or a module."""
+
+GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
+"""What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
+
+UpdateFn: TypeAlias = Callable[[list[Array | None], OptState, list[Array]], tuple[list[Array], OptState]]
+"""The jitted ``(slot_grads, state, values) -> (new_values, new_state)`` of one used-pattern."""
 
 
-def _records_of(params: Any) -> tuple[list[Param], list[str] | None]:
+def _records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]:
     """Flatten the user's parameter collection into registrations (+ names for a mapping)."""
     if hasattr(params, "named_parameters") and callable(params.named_parameters):
         named = list(params.named_parameters())
@@ -55,10 +75,49 @@ def _records_of(params: Any) -> tuple[list[Param], list[str] | None]:
     return recs, names
 
 
-def _is_slot_tree(x: Any, n: int, container: type, keys: frozenset[Any] | None = None) -> bool:
-    """A per-parameter subtree of an optax state: same container and size as the params tree
-    (and, for a dict, the same keys, so e.g. multi_transform's per-label dict is not one)."""
-    return type(x) is container and len(x) == n and (keys is None or set(x) == keys)
+def _below_params_root(x: object) -> bool:
+    # The optimizer's params pytree is one flat dict or list; everything inside it
+    # (an array, optax.masked's MaskedNode, a per-parameter tuple) is one parameter's part.
+    return not isinstance(x, (dict, list))
+
+
+def _slot_of(_: object, k: object) -> int:
+    if not isinstance(k, int):  # the params copy is not shaped like the params tree
+        raise TypeError(f"a per-parameter part of the state does not line up with the params tree (got {k!r})")
+    return k
+
+
+def _not_a_slot(_: object) -> int:
+    return -1
+
+
+def slot_index_tree(tx: optax.GradientTransformation, state: OptState, params_index: PyTree) -> PyTree:
+    """Which parameter each part of an optax ``state`` belongs to.
+
+    ``params_index`` is the optimizer's params pytree (a flat dict or list) with
+    each parameter replaced by its slot index. The result is a prefix of
+    ``state``: every copy of the params tree inside ``state`` (Adam's ``mu`` and
+    ``nu``, a momentum trace, ``MultiSteps``' accumulators, the inner states of
+    ``optax.masked`` / ``multi_transform``, with ``MaskedNode`` s) holds, for each
+    parameter, its slot index; every other part (step counts, hyperparameters,
+    per-label dicts) is ``-1``. The copies are found with
+    :func:`optax.tree_utils.tree_map_params`, which initializes ``tx`` on a
+    placeholder to learn where its state holds params-shaped trees; nothing is
+    guessed from container types or sizes.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = optax.adam(1e-3)
+    >>> state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(())})
+    >>> slot_index_tree(tx, state, {"w": 0, "b": 1})[0]
+    ScaleByAdamState(count=-1, mu={'b': 1, 'w': 0}, nu={'b': 1, 'w': 0})
+
+    Raises whatever ``tree_map_params`` raises when ``tx.init`` cannot run on its
+    placeholder (e.g. ``multi_transform`` with a callable that inspects the
+    params) or ``state`` does not have the structure ``tx.init`` gives.
+    """
+    return tree_map_params(
+        tx, _slot_of, state, params_index, transform_non_params=_not_a_slot, is_leaf=_below_params_root
+    )
 
 
 class Optimizer:
@@ -69,31 +128,36 @@ class Optimizer:
     which ``optax.multi_transform`` labels can use), or a module with
     ``named_parameters()``.
 
-    * ``opt.params``: the canonical storages, in first-registration order (one per slot).
+    * ``opt.storages`` (alias ``opt.params``): the canonical storages, in
+      first-registration order (one per slot); ``opt.slot_keys`` their keys in
+      the optax params pytree.
     * ``opt.state``: the plain optax state pytree.
     * ``opt.step(grads, check_finite=False)``: one update per used storage.
+    * ``opt.update(values, state, grads, used)``: the same update as a pure,
+      jit-compatible function of the slot values (what ``train_step`` compiles).
 
     A trainable parameter that the recording did not use is skipped, as PyTorch
     skips a parameter whose ``.grad`` is None: its value and its per-parameter
     optimizer slots stay exactly as they were (global counters such as Adam's step
-    count advance with every step).
+    count advance with every step). The per-parameter slots are located with
+    :func:`optax.tree_utils.tree_map_params` (see :func:`slot_index_tree`).
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> emb = tfl.Param(jnp.ones((4, 2)), name="emb")
     >>> out = tfl.tie(emb, name="out")               # tied: same storage
     >>> opt = tfl.Optimizer(optax.adam(1e-3), {"emb": emb, "out": out})
-    >>> len(opt.params), list(opt.state[0].mu)       # one slot, keyed by the first name
-    (1, ['emb'])
+    >>> len(opt.storages), opt.slot_keys, list(opt.state[0].mu)   # one slot, keyed by the first name
+    (1, ['emb'], ['emb'])
     """
 
-    def __init__(self, tx: optax.GradientTransformation, params: Any, *, check_finite: bool = False) -> None:
+    def __init__(self, tx: optax.GradientTransformation, params: ParamCollection, *, check_finite: bool = False) -> None:
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"Optimizer expects an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.check_finite = check_finite
         self._records, names = _records_of(params)
         self._names = names
-        self._update_fns: dict[Any, Any] = {}
+        self._update_fns: dict[tuple[bool, ...], UpdateFn] = {}
         self._init_slots()
 
     # -- layout ----------------------------------------------------------------
@@ -101,28 +165,40 @@ class Optimizer:
         storages = [p.storage for p in self._records]
         self._layout = canonical_indices(storages)
         firsts = [i for i, c in enumerate(self._layout) if c == i]
-        self._slot_storages: list[Storage] = [storages[i] for i in firsts]
+        self._slot_storages: tuple[Storage, ...] = tuple(storages[i] for i in firsts)
         self._slot_of_storage = {id(s): k for k, s in enumerate(self._slot_storages)}
-        if self._names is not None:
-            self._slot_keys: list[Any] = [self._names[i] for i in firsts]
-        else:
-            self._slot_keys = list(range(len(firsts)))
-        self.state = self.tx.init(self._tree([s.read_host() for s in self._slot_storages]))
+        self._slot_keys: list[SlotKey] = [self._names[i] for i in firsts] if self._names is not None else list(range(len(firsts)))
+        # the registrations' storages when the layout was last found valid (check_layout's fast path)
+        self._checked_storages: list[Storage] = storages
+        # state structure -> slot_index_tree of it (None: tree_map_params could not map it)
+        self._slot_indices: dict[jax.tree_util.PyTreeDef, PyTree] = {}
+        self._warned_no_slots = False
+        self.state: OptState = self.tx.init(self.param_tree())
 
-    def _tree(self, values: Sequence[Any]) -> Any:
+    def _tree(self, values: Sequence[object]) -> PyTree:
         if self._names is not None:
             return dict(zip(self._slot_keys, values))
         return list(values)
 
-    def _leaves(self, tree: Any) -> list[Any]:
+    def _leaves(self, tree: PyTree) -> list[Array]:
         if self._names is not None:
             return [tree[k] for k in self._slot_keys]
         return list(tree)
 
     @property
-    def params(self) -> list[Storage]:
+    def storages(self) -> list[Storage]:
         """The canonical storages, one per optimizer slot, in first-registration order."""
         return list(self._slot_storages)
+
+    @property
+    def params(self) -> list[Storage]:
+        """Alias of :attr:`storages`."""
+        return list(self._slot_storages)
+
+    @property
+    def slot_keys(self) -> list[SlotKey]:
+        """The key of each slot in the optax params pytree: the first name of its storage, or its position."""
+        return list(self._slot_keys)
 
     @property
     def records(self) -> list[Param]:
@@ -134,38 +210,99 @@ class Optimizer:
         """For each registration, the index of the first registration of its storage."""
         return list(self._layout)
 
-    def param_tree(self) -> Any:
-        """Current values as the optax params pytree (a list, or a dict by first name)."""
-        return self._tree([s.read_host() for s in self._slot_storages])
+    def param_tree(self, values: Sequence[Array] | None = None) -> PyTree:
+        """``values`` (one per slot; default: the current values) as the optax params pytree.
+
+        A list, or for a mapping of parameters a dict keyed by :attr:`slot_keys`.
+        """
+        if values is None:
+            values = [s.read_host() for s in self._slot_storages]
+        elif len(values) != len(self._slot_storages):
+            raise ValueError(f"Optimizer.param_tree: expected {len(self._slot_storages)} values (one per slot), got {len(values)}")
+        return self._tree(values)
+
+    def describe(self, k: int) -> str:
+        """Slot ``k`` for error messages: the repr of the first registration of its storage."""
+        st = self._slot_storages[k]
+        return repr(next(p for p in self._records if p.storage is st))
 
     def reinit(self) -> None:
         """Re-read the alias layout of the registrations and start from fresh optimizer state."""
         self._init_slots()
         self._update_fns.clear()
 
-    def _check_layout(self) -> None:
-        now = canonical_indices([p.storage for p in self._records])
-        if now == self._layout:
-            stale = next((i for i, p in enumerate(self._records) if id(p.storage) not in self._slot_of_storage), None)
-            if stale is not None:
-                raise TapeError(
-                    f"Optimizer: registration {stale} {self._records[stale]!r} now points at a storage that was not "
-                    "given to the optimizer at init; existing optimizer state has no slot for it. Call opt.reinit() "
-                    "to start from fresh optimizer state"
-                )
-            return
-        first = next(i for i, (a, b) in enumerate(zip(now, self._layout)) if a != b)
-        raise TapeError(
-            f"Optimizer: the alias layout of its parameters changed since init (registration {first} "
-            f"{self._records[first]!r} now shares storage with registration {now[first]}, was {self._layout[first]}); "
-            "existing optimizer state cannot be mapped onto the new storages. Call opt.reinit() to start "
-            "from fresh optimizer state"
-        )
+    def check_layout(self) -> tuple[Storage, ...]:
+        """Raise :class:`TapeError` if the registrations no longer fit the state; return the slot storages.
+
+        The state has one slot per storage given at init: a registration re-pointed
+        at a storage with no slot, or a changed alias pattern (tying or untying
+        records), needs :meth:`reinit`. Costs one identity comparison per
+        registration when nothing changed since the last check; the returned tuple
+        is the same object until :meth:`reinit`.
+        """
+        now_storages = [p.storage for p in self._records]
+        if now_storages == self._checked_storages:  # element identity (Storage has no __eq__)
+            return self._slot_storages
+        now = canonical_indices(now_storages)
+        if now != self._layout:
+            first = next(i for i, (a, b) in enumerate(zip(now, self._layout)) if a != b)
+            raise TapeError(
+                f"Optimizer: the alias layout of its parameters changed since init (registration {first} "
+                f"{self._records[first]!r} now shares storage with registration {now[first]}, was {self._layout[first]}); "
+                "existing optimizer state cannot be mapped onto the new storages. Call opt.reinit() to start "
+                "from fresh optimizer state"
+            )
+        stale = next((i for i, st in enumerate(now_storages) if id(st) not in self._slot_of_storage), None)
+        if stale is not None:
+            raise TapeError(
+                f"Optimizer: registration {stale} {self._records[stale]!r} now points at a storage that was not "
+                "given to the optimizer at init; existing optimizer state has no slot for it. Call opt.reinit() "
+                "to start from fresh optimizer state"
+            )
+        self._checked_storages = now_storages
+        return self._slot_storages
+
+    def slot_indices(self, state: OptState | None = None) -> PyTree:
+        """:func:`slot_index_tree` of ``state`` (default :attr:`state`) for this optimizer's params tree.
+
+        Cached per state structure, so it is free after the first call (also inside
+        ``jax.jit``: it looks at the structure only). When ``tree_map_params``
+        cannot map the state (see :func:`slot_index_tree`) it warns once and returns
+        ``-1`` for the whole state: nothing is then known to be per-parameter, so a
+        parameter a step does not use has its slots updated with a zero gradient,
+        and ``train_step(mesh=...)`` replicates every slot.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.1, momentum=0.9), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(3))])
+        >>> opt.slot_indices()
+        (TraceState(trace=[0, 1]), EmptyState())
+        """
+        if state is None:
+            state = self.state
+        treedef = jax.tree_util.tree_structure(state)
+        got = self._slot_indices.get(treedef)
+        if got is None:
+            try:
+                got = slot_index_tree(self.tx, state, self._tree(range(len(self._slot_storages))))
+            except Exception as e:
+                got = -1
+                if not self._warned_no_slots:
+                    self._warned_no_slots = True
+                    warnings.warn(
+                        f"Optimizer: optax.tree_utils.tree_map_params cannot locate the per-parameter parts of this "
+                        f"optax state ({type(e).__name__}: {e}); the slots of a parameter a step does not use are "
+                        "updated with a zero gradient, and train_step(mesh=...) replicates every slot",
+                        stacklevel=2,
+                    )
+            self._slot_indices[treedef] = got
+        return got
 
     # -- gradients -------------------------------------------------------------
-    def _collect(self, grads: Any) -> list[tuple[Any, ...] | None]:
-        """For each slot, the tuple of cotangents to sum (None: slot unused this step)."""
-        per_slot: list[tuple[Any, ...] | None] = [None] * len(self._slot_storages)
+    def _collect(self, grads: GradsLike) -> tuple[list[tuple[Array, ...] | None], list[ParameterGroup | None]]:
+        """For each slot, the cotangents to validate (None: slot unused this step), and its group for a Grads."""
+        n = len(self._slot_storages)
+        per_slot: list[tuple[Array, ...] | None] = [None] * n
+        groups: list[ParameterGroup | None] = [None] * n
         if isinstance(grads, Grads):
             if grads.released:
                 raise TapeError("Optimizer.step: these gradients were already released; run backward again")
@@ -182,7 +319,8 @@ class Optimizer:
                         f"(storage used at leaves {list(g.leaves)}); nothing was updated"
                     )
                 per_slot[k] = tuple(grads.by_leaf[i] for i in g.leaves)
-            return per_slot
+                groups[k] = g
+            return per_slot, groups
         if not isinstance(grads, Mapping):
             raise TypeError(f"Optimizer.step expects tfl.Grads or a mapping Param -> gradient, got {type(grads).__name__}")
         for key, v in grads.items():
@@ -200,9 +338,9 @@ class Optimizer:
             if v is None:
                 continue
             per_slot[k] = (per_slot[k] or ()) + (v,)
-        return per_slot
+        return per_slot, groups
 
-    def _validate(self, per_slot: list[tuple[Any, ...] | None], check_finite: bool) -> None:
+    def _validate(self, per_slot: list[tuple[Array, ...] | None], check_finite: bool) -> None:
         for k, parts in enumerate(per_slot):
             if parts is None:
                 continue
@@ -213,67 +351,80 @@ class Optimizer:
                 shape, dtype = tuple(g.shape), np.dtype(g.dtype)
                 if shape != st.shape or dtype != st.dtype:
                     raise TapeError(
-                        f"Optimizer.step: gradient for {self._describe_slot(k)} is {R.fmt_spec((shape, dtype))} but the "
+                        f"Optimizer.step: gradient for {self.describe(k)} is {R.fmt_spec((shape, dtype))} but the "
                         f"parameter is {R.fmt_spec((st.shape, st.dtype))}; nothing was updated"
                     )
                 if isinstance(g, jax.Array) and g.is_deleted():
-                    raise TapeError(f"Optimizer.step: gradient for {self._describe_slot(k)} was already released")
+                    raise TapeError(f"Optimizer.step: gradient for {self.describe(k)} was already released")
         if check_finite:
             flags = [jnp.all(jnp.isfinite(g)) for parts in per_slot if parts for g in parts]
             if flags and not bool(jnp.all(jnp.stack(flags))):
                 bad = next(
-                    self._describe_slot(k)
+                    self.describe(k)
                     for k, parts in enumerate(per_slot)
                     if parts and not all(bool(jnp.all(jnp.isfinite(g))) for g in parts)
                 )
                 raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
 
-    def _describe_slot(self, k: int) -> str:
-        return repr(self._records[self._first_record(k)])
-
-    def _first_record(self, k: int) -> int:
-        st = self._slot_storages[k]
-        return next(i for i, p in enumerate(self._records) if p.storage is st)
-
     # -- update ----------------------------------------------------------------
-    def _update_fn(self, used: tuple[bool, ...]) -> Any:
-        key = used
-        fn = self._update_fns.get(key)
+    def _update_fn(self, used: tuple[bool, ...]) -> UpdateFn:
+        fn = self._update_fns.get(used)
         if fn is not None:
             return fn
         tx = self.tx
         n = len(self._slot_storages)
-        container = dict if self._names is not None else list
-        keys = frozenset(self._slot_keys) if self._names is not None else None
         tree = self._tree
         leaves_of = self._leaves
+        slot_indices = self.slot_indices
 
-        def update(slot_grads: list[Any], state: Any, values: list[Any]) -> tuple[list[Any], Any]:
+        def keep_unused(k: int, new: PyTree, old: PyTree) -> PyTree:
+            return old if k >= 0 and not used[k] else new
+
+        def update(slot_grads: list[Array | None], state: OptState, values: list[Array]) -> tuple[list[Array], OptState]:
             grads = [slot_grads[k] if used[k] else jnp.zeros_like(values[k]) for k in range(n)]
             params = tree(values)
             updates, new_state = tx.update(tree(grads), state, params)
-            new_params = optax.apply_updates(params, updates)
-            new_vals = leaves_of(new_params)
+            new_vals = leaves_of(optax.apply_updates(params, updates))
             if all(used):
                 return new_vals, new_state
             new_vals = [nv if used[k] else values[k] for k, nv in enumerate(new_vals)]
-
-            def keep_unused(new: Any, old: Any) -> Any:
-                if _is_slot_tree(new, n, container, keys):
-                    nl, ol = leaves_of(new), leaves_of(old)
-                    return tree([nl[k] if used[k] else ol[k] for k in range(n)])
-                return new
-
-            def is_slot(x: Any) -> bool:
-                return _is_slot_tree(x, n, container, keys)
-
-            new_state = jax.tree_util.tree_map(keep_unused, new_state, state, is_leaf=is_slot)
+            # an unused parameter's own parts of the state stay as they were
+            new_state = jax.tree_util.tree_map(keep_unused, slot_indices(state), new_state, state)
             return new_vals, new_state
 
-        fn = self._update_fns[key] = jax.jit(update)
+        fn = self._update_fns[used] = jax.jit(update)
         return fn
 
-    def step(self, grads: Any, *, check_finite: bool | None = None) -> None:
+    def update(
+        self,
+        values: Sequence[Array],
+        state: OptState,
+        grads: Sequence[Array | None],
+        used: Sequence[bool] | None = None,
+    ) -> tuple[list[Array], OptState]:
+        """One optax update of the slot values, as a pure function: ``(new_values, new_state)``.
+
+        ``values`` and ``grads`` hold one array per slot (in :attr:`storages`
+        order; ``grads`` already summed per storage); ``used`` marks the slots the
+        recording used (default: those whose gradient is not None). An unused
+        slot's value and per-parameter state are returned unchanged. Nothing is
+        read or written: this is what :meth:`step` applies and what
+        :func:`~tapeflow.train_step` traces into its program. It is compiled once
+        per ``used`` pattern and can be called inside ``jax.jit``.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.5), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))])
+        >>> vals, state = opt.update([jnp.ones(2), jnp.ones(1)], opt.state, [jnp.ones(2), None])
+        >>> [v.tolist() for v in vals]
+        [[0.5, 0.5], [1.0]]
+        """
+        n = len(self._slot_storages)
+        if len(values) != n or len(grads) != n:
+            raise ValueError(f"Optimizer.update: expected {n} values and gradients (one per slot), got {len(values)} and {len(grads)}")
+        mask = tuple(g is not None for g in grads) if used is None else tuple(bool(u) for u in used)
+        return self._update_fn(mask)(list(grads), state, list(values))
+
+    def step(self, grads: GradsLike, *, check_finite: bool | None = None) -> None:
         """Apply one update per storage used in the recording, then free the gradients it used.
 
         Every gradient is validated (present, shape and dtype; finiteness when
@@ -282,32 +433,31 @@ class Optimizer:
         every parameter group of ``grads`` is consumed the whole ``Grads`` is
         released (so two optimizers over disjoint parameters can share one).
         """
-        self._check_layout()
-        per_slot = self._collect(grads)
+        storages = self.check_layout()
+        per_slot, groups = self._collect(grads)
         self._validate(per_slot, self.check_finite if check_finite is None else check_finite)
         used = tuple(p is not None for p in per_slot)
-        mine = (
-            [g for g in grads.groups if g.storage is not None and id(g.storage) in self._slot_of_storage]
-            if isinstance(grads, Grads)
-            else []
-        )
+        mine = [g for g in groups if g is not None]
         if not any(used):
             if isinstance(grads, Grads):
                 grads.consume(mine)
             return
-        temps: list[Any] = []
+        temps: list[Array] = []
         try:
             device = next(_device_of(p[0]) for p in per_slot if p is not None)
-            values = [s.read(device) for s in self._slot_storages]
-            slot_grads = [None if p is None else sum_in_leaf_order(p) for p in per_slot]
-            temps = [g for g, p in zip(slot_grads, per_slot) if p is not None and len(p) > 1]
-            fn = self._update_fn(used)
-            new_vals, new_state = fn(slot_grads, self.state, values)
+            values = [s.read(device) for s in storages]
+            if isinstance(grads, Grads):
+                # the per-storage sums of the recording (kept by grads; consume() frees them)
+                slot_grads = [None if g is None else grads.group_gradient(g) for g in groups]
+            else:
+                slot_grads = [None if p is None else sum_in_leaf_order(p) for p in per_slot]
+                temps = [g for g, p in zip(slot_grads, per_slot) if p is not None and len(p) > 1]
+            new_vals, new_state = self.update(values, self.state, slot_grads, used)
         finally:
             release_arrays(temps)
             if isinstance(grads, Grads):
                 grads.consume(mine)  # frees what this step used; all of it once every group is used
-        for k, st in enumerate(self._slot_storages):
+        for k, st in enumerate(storages):
             if used[k]:
                 st.write(new_vals[k], on_device=True)
         self.state = new_state

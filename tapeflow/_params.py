@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ import numpy as np
 
 from . import _registry as R
 from ._tensor import TensorOps
+from ._typing import Array, ArrayLike, DTypeLike
 
 __all__ = ["Storage", "Param", "tie", "canonical_indices"]
 
@@ -34,7 +34,7 @@ _storage_ids = itertools.count()
 _storage_lock = threading.Lock()
 
 
-def _as_array(value: Any) -> Any:
+def _as_array(value: ArrayLike) -> Array:
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value.copy()
     if isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
@@ -53,17 +53,24 @@ class Storage:
       every later use on that device instead of uploading again.
     * ``host_current``: False when an update wrote the mirror and the host cell
       is stale; reading :attr:`Param.value` synchronizes it first.
+
+    :meth:`read` / :meth:`write` place and check values; :meth:`read_current` /
+    :meth:`write_current` (and their one-call forms for many storages, which a
+    compiled training step uses) are the unchecked fast path they are built on.
     """
 
-    __slots__ = ("shape", "dtype", "_host", "_mirror", "_host_current", "uid", "__weakref__")
+    # _current is the value of the current cell (_host when _host_current, else _mirror);
+    # write_current_many, the one cell update, and read_host's sync keep it so
+    __slots__ = ("shape", "dtype", "_host", "_mirror", "_host_current", "_current", "uid", "__weakref__")
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: ArrayLike) -> None:
         v = _as_array(value)
         self.shape: tuple[int, ...] = tuple(v.shape)
         self.dtype: np.dtype = np.dtype(v.dtype)
-        self._host: Any = v
-        self._mirror: Any = None
+        self._host: Array = v
+        self._mirror: Array | None = None
         self._host_current = True
+        self._current: Array = v
         with _storage_lock:
             self.uid = next(_storage_ids)
 
@@ -73,30 +80,84 @@ class Storage:
         return self._host_current
 
     @property
-    def mirror(self) -> Any:
+    def mirror(self) -> Array | None:
         """The device mirror (a ``jax.Array``) or None when no device copy is cached."""
         return self._mirror
 
-    def read_host(self) -> Any:
+    @staticmethod
+    def read_current_many(storages: Iterable[Storage]) -> list[Array]:
+        """The current value of each storage, wherever it lives: no placement, no host sync.
+
+        The current cell is the device mirror when an update wrote it (the host
+        cell is then stale), else the host cell; every cell change records its
+        value, so this is one attribute read per storage (what
+        :meth:`read_current` and ``read(None)`` return), and a compiled step reads
+        all its storages with one call.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> a, b = tfl.Storage(jnp.zeros(2)), tfl.Storage(jnp.ones(1))
+        >>> [v.tolist() for v in tfl.Storage.read_current_many([a, b])]
+        [[0.0, 0.0], [1.0]]
+        """
+        return [s._current for s in storages]
+
+    @staticmethod
+    def write_current_many(storages: Iterable[Storage], values: Iterable[Array]) -> None:
+        """Replace the current cell of each storage with its new value (the fast write of a compiled step).
+
+        Each new value replaces the cell the current value lives in (the host
+        cell, dropping a cached mirror; or the mirror, leaving the stale host
+        cell stale), exactly as ``write(value, on_device=True)`` does for a value
+        on the current cell's device. **Nothing is checked**: each value must have
+        its storage's shape and dtype and live where :meth:`read_current_many`
+        found the old one (as the outputs of a single-device program computed
+        from those reads do); use :meth:`write` for anything else. This is the
+        one home of the cell update: :meth:`write` and :meth:`write_current` use it.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> st = tfl.Storage(jnp.zeros(2))
+        >>> tfl.Storage.write_current_many([st], [jnp.ones(2)])
+        >>> st.read_current().tolist(), st.host_current
+        ([1.0, 1.0], True)
+        """
+        for s, v in zip(storages, values):
+            if s._host_current:
+                s._host = v
+                s._mirror = None
+            else:
+                s._mirror = v
+            s._current = v
+
+    def read_current(self) -> Array:
+        """The current value wherever it lives (no placement, no host sync); see :meth:`read_current_many`."""
+        return self._current
+
+    def write_current(self, value: Array) -> None:
+        """Unchecked fast write into the current cell; see :meth:`write_current_many` for the contract."""
+        Storage.write_current_many((self,), (value,))
+
+    def read_host(self) -> Array:
         """The current value on the host, synchronizing a newer device mirror first."""
         if not self._host_current:
             host_dev = _device_of(self._host)
             self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
             self._host_current = True
+            self._current = self._host
         return self._host
 
-    def read(self, device: jax.Device | None) -> Any:
-        """The current value placed on ``device`` (None: wherever the current value lives).
+    def read(self, device: jax.Device | None) -> Array:
+        """The current value placed on ``device`` (None: :meth:`read_current`, wherever it lives).
 
         The mirror is reused when it is on ``device``; otherwise the current value
         is uploaded once and cached as the new mirror.
         """
+        if device is None:
+            return self._current  # read_current()
         m = self._mirror
-        if not self._host_current:
-            if device is None or _device_of(m) in (None, device):
-                return m
+        if not self._host_current and _device_of(m) in (None, device):
+            return m
         h = self._host
-        if device is None or self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
+        if self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
             return h if self._host_current else self.read_host()
         if m is not None and _device_of(m) == device:
             return m
@@ -106,8 +167,13 @@ class Storage:
         self._mirror = m
         return m
 
-    def write(self, value: Any, *, on_device: bool = False) -> None:
-        """Replace the value. ``on_device=True`` writes the mirror and marks the host stale."""
+    def write(self, value: ArrayLike, *, on_device: bool = False) -> None:
+        """Replace the value, checking its shape and dtype.
+
+        ``on_device=True`` keeps a value that lives on another device than the
+        host cell as the mirror and marks the host stale; otherwise the value
+        becomes the host cell. The cell update itself is :meth:`write_current_many`.
+        """
         v = _as_array(value)
         if tuple(v.shape) != self.shape or np.dtype(v.dtype) != self.dtype:
             raise ValueError(
@@ -115,19 +181,15 @@ class Storage:
                 f"storage of {R.fmt_spec((self.shape, self.dtype))}; a parameter keeps its shape and dtype "
                 "(create a new Param to change them)"
             )
-        if on_device and _device_of(v) != _device_of(self._host):
-            self._mirror = v
-            self._host_current = False
-        else:
-            self._host = v
-            self._mirror = None
-            self._host_current = True
+        # choose the cell, then replace it
+        self._host_current = not (on_device and _device_of(v) != _device_of(self._host))
+        self.write_current(v)
 
     def __repr__(self) -> str:
         return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
 
 
-def _device_of(x: Any) -> jax.Device | None:
+def _device_of(x: Array) -> jax.Device | None:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         try:
             devs = x.devices()
@@ -153,14 +215,14 @@ class Param(TensorOps):
 
     __slots__ = ("storage", "name", "trainable", "_bound", "__weakref__")
 
-    def __init__(self, value: Any, name: str | None = None, trainable: bool = True) -> None:
+    def __init__(self, value: ArrayLike, name: str | None = None, trainable: bool = True) -> None:
         self.storage = Storage(value)
         self.name = name
         self.trainable = bool(trainable)
-        self._bound: Any = None
+        self._bound: Array | None = None
 
     @classmethod
-    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool, bound: Any = None) -> Param:
+    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool, bound: Array | None = None) -> Param:
         p = object.__new__(cls)
         p.storage = storage
         p.name = name
@@ -174,7 +236,7 @@ class Param(TensorOps):
         return self._bound is not None
 
     @property
-    def value(self) -> Any:
+    def value(self) -> Array:
         """The current value (a ``jax.Array``), synchronized from a newer device mirror.
 
         ``Param`` is a JAX pytree whose one leaf is this value and whose static
@@ -187,7 +249,7 @@ class Param(TensorOps):
         return self.storage.read_host()
 
     @value.setter
-    def value(self, new: Any) -> None:
+    def value(self, new: ArrayLike) -> None:
         if self._bound is not None:
             raise TypeError(
                 f"{self!r} is a read-only view rebuilt by a JAX transformation; assign to the original Param "
@@ -207,7 +269,7 @@ class Param(TensorOps):
     def ndim(self) -> int:
         return len(self.storage.shape)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: DTypeLike = None, copy: bool | None = None) -> np.ndarray:
         return np.asarray(self.value, dtype=dtype)
 
     def __repr__(self) -> str:
@@ -215,12 +277,12 @@ class Param(TensorOps):
         return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
 
 
-def _param_flatten(p: Param) -> tuple[tuple[Any], tuple[Storage, str | None, bool]]:
-    value = p._bound if p._bound is not None else p.storage.read(None)  # no host sync
+def _param_flatten(p: Param) -> tuple[tuple[Array], tuple[Storage, str | None, bool]]:
+    value = p._bound if p._bound is not None else p.storage.read_current()  # no host sync
     return (value,), (p.storage, p.name, p.trainable)
 
 
-def _param_unflatten(aux: tuple[Storage, str | None, bool], children: Any) -> Param:
+def _param_unflatten(aux: tuple[Storage, str | None, bool], children: tuple[Array, ...]) -> Param:
     storage, name, trainable = aux
     return Param._from_storage(storage, name, trainable, bound=children[0])
 

@@ -761,3 +761,201 @@ def test_train_step_static_keyword_arguments_compile_per_value() -> None:
     step(jnp.array(1.0, jnp.float32), square=False)  # d(w*x)/dw = 1
     assert step.trace_count == 2
     assert abs(float(w.value) - (before - 0.1)) < 1e-6
+
+
+# =========================================================================== the public seams TrainStep uses
+
+
+_STORAGE_FAST_PATH_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np, optax
+    import tapeflow as tfl
+
+    d0, d1 = jax.devices()[:2]
+    out = {}
+
+    def states():
+        host = tfl.Storage(jnp.arange(3.0, dtype=jnp.float32))        # host cell only
+        cached = tfl.Storage(jnp.arange(3.0, dtype=jnp.float32))
+        cached.read(d1)                                                # host current, mirror cached on d1
+        mirror = tfl.Storage(jnp.arange(3.0, dtype=jnp.float32))
+        mirror.write(jax.device_put(jnp.ones(3, jnp.float32), d1), on_device=True)   # mirror current
+        return [host, cached, mirror]
+
+    sts = states()
+    flags = [st.host_current for st in sts]
+    got = tfl.Storage.read_current_many(sts)
+    out["flags"] = flags
+    out["read_is_read_none"] = [g is st.read(None) and g is st.read_current() for g, st in zip(got, sts)]
+    out["no_sync"] = [st.host_current for st in sts] == flags
+    out["current_cell"] = [g is (st.mirror if not f else st.read_host()) for g, st, f in zip(got, sts, flags)]
+
+    a, b = states(), states()
+    new = [jax.device_put(jnp.full(3, 7.0, jnp.float32), list(st.read_current().devices())[0]) for st in a]
+    tfl.Storage.write_current_many(a, new)
+    for st, v in zip(b, new):
+        st.write(v, on_device=True)
+    out["write_equals_checked_write"] = [
+        x.host_current == y.host_current and x.read_current() is y.read_current() and (x.mirror is None) == (y.mirror is None)
+        and x.read_current() is (x.mirror if not x.host_current else x.read_host())
+        for x, y in zip(a, b)
+    ]
+
+    # eager steps on d1 leave the storages' mirrors current; train_step then writes those mirrors
+    def build():
+        w = tfl.Param(np.linspace(-1, 1, 6).astype(np.float32).reshape(2, 3), name="w")
+        c = tfl.Param(np.zeros(3, np.float32), name="c")
+        return [w, c], (lambda s, x: tfl.sum(tfl.tanh(x @ w + c) ** 2.0))
+
+    xs = [jax.device_put(jnp.asarray(np.random.default_rng(k).standard_normal((4, 2)), jnp.float32), d1) for k in range(4)]
+    pe, fe = build()
+    ope = tfl.Optimizer(optax.adam(0.1), pe)
+    for x in xs:
+        with tfl.Session(device=d1) as s:
+            ope.step(s.backward(fe(s, x)))
+    pc, fc = build()
+    opc = tfl.Optimizer(optax.adam(0.1), pc)
+    for x in xs[:2]:
+        with tfl.Session(device=d1) as s:
+            opc.step(s.backward(fc(s, x)))
+    out["mirror_current_before"] = [not p.storage.host_current for p in pc]
+    step = tfl.train_step(fc, opc, donate=False)
+    for x in xs[2:]:
+        step(x)
+    out["mirror_on_d1_after"] = [not p.storage.host_current and p.storage.read_current().devices() == {d1} for p in pc]
+    out["diff"] = max(float(np.max(np.abs(np.asarray(a.value) - np.asarray(b.value)))) for a, b in zip(pe, pc))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_storage_fast_path_in_every_cell_state_on_two_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", _STORAGE_FAST_PATH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["flags"] == [True, True, False], out
+    assert out["read_is_read_none"] == out["current_cell"] == out["write_equals_checked_write"] == [True] * 3, out
+    assert out["no_sync"], out
+    assert out["mirror_current_before"] == out["mirror_on_d1_after"] == [True, True], out
+    assert out["diff"] <= TOL, out
+
+
+class TestTrainStepSeams:
+    def test_train_step_is_train_step_class_with_the_same_options(self):
+        import inspect
+
+        from tapeflow._functional import TrainStepOptions
+
+        kw_only = [n for n, p in inspect.signature(tfl.TrainStep).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        assert sorted(kw_only) == sorted(TrainStepOptions.__annotations__)
+        w = tfl.Param(jnp.array(1.0, jnp.float32), name="w")
+        opt = tfl.Optimizer(optax.sgd(0.1), [w])
+        step = tfl.train_step(lambda s, x: w * x, opt, donate=False, seed=3, has_aux=False, static_argnames="mode")
+        assert isinstance(step, tfl.TrainStep)
+        assert (step.donate, step.seed, step.static_argnames, step.mesh, step.data_axis) == (False, 3, ("mode",), None, "data")
+        with pytest.raises(TypeError):
+            tfl.train_step(lambda s, x: w * x, opt, donat=False)
+        assert ">>>" in tfl.train_step.__doc__
+
+    def test_per_call_python_work_is_flat_in_the_number_of_parameters(self):
+        import sys
+
+        def calls_per_step(n):
+            ws = [tfl.Param(np.full(2, 0.5, F32), name=f"w{i}") for i in range(n)]
+            step = tfl.train_step(lambda s, x: sum((tfl.sum(w * x) for w in ws[1:]), start=tfl.sum(ws[0] * x)), tfl.Optimizer(optax.adam(1e-3), ws))
+            x = jnp.ones(2, jnp.float32)
+            jax.block_until_ready(step(x))
+            count = [0]
+
+            def prof(frame, event, arg):
+                if event == "call" and frame.f_code.co_filename.endswith(("_functional.py", "_optim.py", "_params.py")):
+                    count[0] += 1
+
+            sys.setprofile(prof)
+            try:
+                step(x)
+            finally:
+                sys.setprofile(None)
+            return count[0]
+
+        # __call__, check_layout, read_current_many, write_current_many (+ two list comprehensions): none per parameter
+        assert calls_per_step(2) == calls_per_step(24) <= 6
+
+
+_SLOT_PLACEMENT_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import tapeflow as tfl
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def spec_of(a):
+        if not isinstance(a.sharding, NamedSharding):
+            return "single-device" if len(a.devices()) == 1 else type(a.sharding).__name__
+        spec = list(a.sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return str(tuple(spec))
+
+    def adam_of(state):
+        return next(n for n in jax.tree_util.tree_leaves(state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
+                    if isinstance(n, optax.ScaleByAdamState))
+
+    txs = {
+        "multi": lambda: optax.multi_transform({"x": optax.adam(1e-2), "y": optax.sgd(0.1, momentum=0.9)},
+                                               {"w0": "x", "b0": "y", "w1": "x"}),
+        "masked": lambda: optax.masked(optax.adam(1e-2), {"w0": True, "b0": False, "w1": True}),
+        "inject": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+        "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+    }
+
+    def run(name, **kw):
+        r = np.random.default_rng(0)
+        params = {"w0": tfl.Param((r.standard_normal((8, 16)) * 0.3).astype(np.float32), name="w0"),
+                  "b0": tfl.Param(np.zeros(16, np.float32), name="b0"),
+                  "w1": tfl.Param((r.standard_normal((16, 4)) * 0.3).astype(np.float32), name="w1")}
+        loss_fn = lambda s, x, y: tfl.cross_entropy(tfl.tanh(tfl.linear(x, params["w0"], params["b0"])) @ params["w1"], y)
+        opt = tfl.Optimizer(txs[name](), params)
+        step = tfl.train_step(loss_fn, opt, **kw)
+        r = np.random.default_rng(1)
+        losses = [float(step(jnp.asarray(r.standard_normal((32, 8)), jnp.float32), jnp.asarray(r.integers(0, 4, 32), jnp.int32)))
+                  for _ in range(3)]
+        adam = adam_of(opt.state)
+        specs = {"mu_w0": spec_of(adam.mu["w0"]), "nu_w0": spec_of(adam.nu["w0"]), "mu_w1": spec_of(adam.mu["w1"]),
+                 "count": spec_of(adam.count)}
+        if name == "inject":
+            specs["lr"] = spec_of(opt.state.hyperparams["learning_rate"])
+        if name == "multi":
+            specs["trace_b0"] = spec_of(opt.state.inner_states["y"].inner_state[0].trace["b0"])
+        return losses, specs, step.trace_count
+
+    out = {}
+    for name in txs:
+        single, _, _ = run(name)
+        sharded, specs, traces = run(name, mesh=mesh, param_specs={"w0": P("data", None)})
+        out[name] = {"diff": max(abs(a - b) for a, b in zip(single, sharded)), "specs": specs, "traces": traces}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_optimizer_slots_follow_their_parameter_sharding_for_composite_optax_states():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", _SLOT_PLACEMENT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, got in out.items():
+        assert got["diff"] <= TOL and got["traces"] == 1, (name, got)
+        specs = got["specs"]
+        # w0 is sharded on dim 0: its Adam moments follow it; w1's and the step count are replicated
+        assert specs["mu_w0"] == specs["nu_w0"] == "('data',)", (name, specs)
+        assert specs["mu_w1"] == specs["count"] == "()", (name, specs)
+        assert specs.get("lr", "()") == "()" and specs.get("trace_b0", "()") == "()", (name, specs)

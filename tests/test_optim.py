@@ -656,3 +656,210 @@ def test_two_optimizers_over_disjoint_params_share_one_grads() -> None:
         assert g.released
     np.testing.assert_allclose(np.asarray(a.value), [1.0 - 0.5 * 2.0, 2.0 - 0.5 * 4.0])
     np.testing.assert_allclose(np.asarray(b.value), [3.0 - 0.25 * 27.0])
+
+
+# --------------------------------------------------------------------------- per-parameter state parts (tree_map_params)
+
+
+def _adam_part(state, label=None):
+    """The ScaleByAdamState inside ``state`` (inside multi_transform's ``label`` inner state if given)."""
+    if label is not None:
+        state = state.inner_states[label]
+    return _mu(state)
+
+
+def test_slot_indices_mark_per_parameter_parts_only():
+    from optax.transforms import MaskedNode
+
+    W, c, V = _three_params()
+    params = {"W": W, "c": c, "V": V}
+    cases = {
+        "clip_adam": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+        "adamw": optax.adamw(1e-2, weight_decay=0.1),
+        "masked": optax.masked(optax.adam(1e-2), {"W": True, "c": False, "V": True}),
+        "inject": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+        "multi": optax.multi_transform({"x": optax.adam(1e-2), "y": optax.sgd(0.1, momentum=0.9)}, {"W": "x", "c": "y", "V": "x"}),
+    }
+    for name, tx in cases.items():
+        opt = tfl.Optimizer(tx, params)
+        idx = opt.slot_indices()
+        # a prefix of the state: every state leaf pairs with one index
+        pairs = []
+        jax.tree_util.tree_map(lambda k, part: pairs.append((k, part)), idx, opt.state)
+        slots = {k for k, _ in pairs if k >= 0}
+        assert slots == {0, 1, 2}, name
+        for k, part in pairs:
+            if k >= 0 and not isinstance(part, MaskedNode):  # a parameter's own part has its shape
+                assert part.shape == opt.storages[k].shape, (name, k)
+        adam = _adam_part(idx, "x" if name == "multi" else None)
+        assert adam.count == -1, name
+        if name == "masked":
+            assert adam.mu == {"W": 0, "c": 1, "V": 2}  # c's MaskedNode is c's part too
+        elif name == "multi":
+            assert adam.mu == {"W": 0, "c": 1, "V": 2} and idx.inner_states["y"].inner_state[0].trace == {"W": 0, "c": 1, "V": 2}
+        else:
+            assert adam.mu == {"W": 0, "c": 1, "V": 2} and adam.nu == {"W": 0, "c": 1, "V": 2}
+        if name == "inject":  # 5 hyperparameters in a dict: not per-parameter (whatever their count)
+            assert set(idx.hyperparams.values()) == {-1}
+    # a list of params: lists by position
+    opt = tfl.Optimizer(optax.adam(1e-2), [W, c, V, tfl.tie(W)])
+    assert _mu(opt.slot_indices()).mu == [0, 1, 2]
+
+
+def test_tied_and_unused_param_adam_slots_untouched_count_advances():
+    W, c, V = _three_params()
+    Wt = tfl.tie(W, name="W_tied")
+    opt = tfl.Optimizer(optax.adam(1e-2), [W, Wt, V, c])
+    x = _batches(1)[0]
+    with tfl.Session() as s:  # step 1 uses everything: V's moments become non-zero
+        opt.step(s.backward(_tied_loss(s, x, W, Wt, c) + tfl.sum(V * V)))
+    st = _mu(opt.state)
+    v_mu, v_nu, w_mu = (np.asarray(a).copy() for a in (st.mu[1], st.nu[1], st.mu[0]))
+    v_value = np.asarray(V.value).copy()
+    assert np.any(v_mu != 0) and np.any(v_nu != 0) and int(st.count) == 1
+    with tfl.Session() as s:  # step 2: W (through both records) and c, not V
+        opt.step(s.backward(_tied_loss(s, x, W, Wt, c)))
+    st = _mu(opt.state)
+    assert int(st.count) == 2
+    assert np.array_equal(np.asarray(st.mu[1]), v_mu) and np.array_equal(np.asarray(st.nu[1]), v_nu)
+    assert np.array_equal(np.asarray(V.value), v_value)
+    assert not np.array_equal(np.asarray(st.mu[0]), w_mu)
+
+
+def test_multi_transform_per_label_dict_state_with_unused_param():
+    a = tfl.Param(jnp.ones(2, F32), name="a")
+    b = tfl.Param(jnp.full(3, 2.0, F32), name="b")
+    c = tfl.Param(jnp.full(2, 3.0, F32), name="c")
+    tx = optax.multi_transform({"x": optax.adam(0.1), "y": optax.sgd(0.1, momentum=0.9)}, {"a": "x", "b": "x", "c": "y"})
+    opt = tfl.Optimizer(tx, {"a": a, "b": b, "c": c})
+    assert set(opt.state.inner_states) == {"x", "y"}  # one inner state per label, not per parameter
+    with tfl.Session() as s:
+        opt.step(s.backward(tfl.sum(a * a) + tfl.sum(b * b) + tfl.sum(c * c)))
+    adam, trace = _adam_part(opt.state, "x"), opt.state.inner_states["y"].inner_state[0].trace
+    b_mu, b_nu, c_trace = (np.asarray(v).copy() for v in (adam.mu["b"], adam.nu["b"], trace["c"]))
+    b_val, c_val = np.asarray(b.value).copy(), np.asarray(c.value).copy()
+    with tfl.Session() as s:  # only a is used
+        opt.step(s.backward(tfl.sum(a * a)))
+    adam, trace = _adam_part(opt.state, "x"), opt.state.inner_states["y"].inner_state[0].trace
+    assert int(adam.count) == 2
+    assert np.array_equal(np.asarray(adam.mu["b"]), b_mu) and np.array_equal(np.asarray(adam.nu["b"]), b_nu)
+    assert np.array_equal(np.asarray(trace["c"]), c_trace)
+    assert np.array_equal(np.asarray(b.value), b_val) and np.array_equal(np.asarray(c.value), c_val)
+    assert not np.allclose(np.asarray(a.value), 1.0)
+
+
+def test_masked_and_inject_hyperparams_unused_param_slots_untouched():
+    for tx in (
+        optax.masked(optax.adam(0.1), {"a": True, "b": True, "c": False}),
+        optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+    ):
+        a, b, c = (tfl.Param(jnp.full(2, float(i + 1), F32), name=n) for i, n in enumerate("abc"))
+        opt = tfl.Optimizer(tx, {"a": a, "b": b, "c": c})
+        with tfl.Session() as s:
+            opt.step(s.backward(tfl.sum(a * a) + tfl.sum(b * b) + tfl.sum(c * c)))
+        b_mu = np.asarray(_mu(opt.state).mu["b"]).copy()
+        with tfl.Session() as s:
+            opt.step(s.backward(tfl.sum(a * a) + tfl.sum(c * c)))
+        assert int(_mu(opt.state).count) == 2
+        assert np.array_equal(np.asarray(_mu(opt.state).mu["b"]), b_mu)
+
+
+def test_state_tree_map_params_cannot_map_warns_and_still_trains():
+    # multi_transform with a label function that looks at the params cannot be initialized on
+    # optax's placeholder: nothing is then known to be per-parameter (the optimizer still works)
+    a = tfl.Param(jnp.ones(2, F32), name="a")
+    b = tfl.Param(jnp.ones(3, F32), name="b")
+    tx = optax.multi_transform({"x": optax.adam(0.1), "y": optax.sgd(0.1)}, lambda p: {k: ("x" if k == "a" else "y") for k in p})
+    opt = tfl.Optimizer(tx, {"a": a, "b": b})
+    with pytest.warns(UserWarning, match="tree_map_params"):
+        assert opt.slot_indices() == -1
+    with tfl.Session() as s:
+        opt.step(s.backward(tfl.sum(a * a)))
+    assert np.array_equal(np.asarray(b.value), np.ones(3, F32)) and not np.allclose(np.asarray(a.value), 1.0)
+
+
+# --------------------------------------------------------------------------- the tied sum comes from tapeflow._grads
+
+
+def test_step_takes_tied_sums_from_grads_group_gradient(monkeypatch):
+    import tapeflow._optim as optim_mod
+
+    calls = []
+    orig = tfl.Grads.group_gradient
+
+    def spy(self, group):
+        calls.append(group.leaves)
+        return orig(self, group)
+
+    def no_sum(parts):
+        raise AssertionError("Optimizer.step summed a Grads' cotangents itself")
+
+    monkeypatch.setattr(tfl.Grads, "group_gradient", spy)
+    monkeypatch.setattr(optim_mod, "sum_in_leaf_order", no_sum)
+    w = tfl.Param(jnp.array(1.0, F32), name="w")
+    opt = tfl.Optimizer(optax.sgd(1.0), [w])
+    with tfl.Session() as s:
+        opt.step(s.backward(w * 1e8 + tfl.tie(w) * -1e8 + w * 1.0))
+    assert len(calls) == 1 and len(calls[0]) == 3
+    assert float(w.value) == 0.0  # ((1e8 + -1e8) + 1) in leaf order
+
+
+def test_mapping_with_several_keys_of_one_storage_sums_in_key_order():
+    w = tfl.Param(jnp.array(1.0, F32), name="w")
+    w2, w3 = tfl.tie(w), tfl.tie(w)
+    opt = tfl.Optimizer(optax.sgd(1.0), [w])
+    opt.step({w: jnp.array(1e8, F32), w2: jnp.array(-1e8, F32), w3: jnp.array(1.0, F32)})
+    assert float(w.value) == 0.0  # ((1e8 + -1e8) + 1); another association gives 1.0
+    with pytest.raises(tfl.TapeError, match="nothing was updated"):
+        opt.step({w: jnp.ones((), F32), w2: jnp.ones(2, F32)})  # each part is validated before summing
+    assert float(w.value) == 0.0
+
+
+# --------------------------------------------------------------------------- the public seams train_step uses
+
+
+def test_update_is_pure_and_matches_step():
+    W, c, V = _three_params()
+    opt = tfl.Optimizer(optax.adam(1e-2), {"W": W, "c": c, "V": V})
+    x = _batches(1)[0]
+    state0 = opt.state
+    values0 = [np.asarray(st.read_current()).copy() for st in opt.storages]
+    with tfl.Session() as s:
+        g = s.backward(_tied_loss(s, x, W, tfl.tie(W), c))
+        grads = [np.asarray(v) if v is not None else None for v in g.storage_gradients(opt.storages)]
+    upd = jax.jit(opt.update, static_argnums=(3,))
+    vals, state = upd([jnp.asarray(v) for v in values0], state0, [None if v is None else jnp.asarray(v) for v in grads], (True, True, False))
+    # nothing was read or written
+    assert all(np.array_equal(np.asarray(st.read_current()), v) for st, v in zip(opt.storages, values0))
+    assert opt.state is state0
+    with tfl.Session() as s:
+        opt.step(s.backward(_tied_loss(s, x, W, tfl.tie(W), c)))
+    for mine, ref in zip(vals, [W, c, V]):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(ref.value), rtol=0, atol=1e-7)
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(opt.state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
+    # used defaults to the gradients that are not None
+    vals2, _ = opt.update([jnp.asarray(v) for v in values0], state0, [None if v is None else jnp.asarray(v) for v in grads])
+    assert np.array_equal(np.asarray(vals2[2]), values0[2])
+    with pytest.raises(ValueError, match="one per slot"):
+        opt.update(values0[:2], state0, grads)
+
+
+def test_public_views_of_the_slots():
+    W, c, V = _three_params()
+    Wt = tfl.tie(W, name="W_tied")
+    opt = tfl.Optimizer(optax.sgd(0.1), {"W": W, "W_tied": Wt, "c": c, "V": V})
+    assert opt.storages == opt.params == [W.storage, c.storage, V.storage]
+    assert opt.slot_keys == ["W", "c", "V"]
+    assert opt.describe(0) == repr(W) and opt.describe(2) == repr(V)
+    tree = opt.param_tree([1, 2, 3])
+    assert tree == {"W": 1, "c": 2, "V": 3}
+    with pytest.raises(ValueError):
+        opt.param_tree([1, 2])
+    first = opt.check_layout()
+    assert first == tuple(opt.storages) and opt.check_layout() is first
+    Wt.storage = tfl.Storage(jnp.zeros((D, H), F32))  # untie
+    with pytest.raises(tfl.TapeError, match="reinit"):
+        opt.check_layout()
+    opt.reinit()
+    assert len(opt.check_layout()) == 4 and opt.slot_keys == ["W", "W_tied", "c", "V"]
