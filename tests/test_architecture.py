@@ -29,6 +29,7 @@ LAYERS: list[list[str]] = [
     ["_functions"],
     ["_optim"],
     ["_functional"],
+    ["_checkpoint_meta"],
     ["_checkpoint"],
     ["nn"],
     ["__init__"],

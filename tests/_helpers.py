@@ -1,0 +1,53 @@
+"""Shared helpers of the Session, Tensor and Grads tests (``from _helpers import ...``).
+
+``tests/conftest.py`` puts this folder on ``sys.path``, so the import works under
+every ``--import-mode``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import tapeflow as tfl
+
+RTOL = 1e-10
+ATOL = 1e-12
+
+STALE_MSG = (
+    "stale tensor handle from generation 0; current generation is 1 "
+    "(Session.reset() invalidates handles recorded before it)"
+)
+FOREIGN_MSG = "tensor handle belongs to a different session"
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _arr(shape, seed=0):
+    return jnp.asarray(_rng(seed).standard_normal(shape))
+
+
+def close(a, b, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def _state(s: tfl.Session):
+    """Everything a rejected call must leave unchanged."""
+    return (
+        s.tape,
+        len(s.tape),
+        s.rng_counter,
+        s.generation,
+        dict(tfl.kernel_cache_info()),
+        [(g.id, g.leaves, g.storage) for g in s.parameter_groups()],
+        dict(s._params_by_leaf),
+        list(s.selected_backends),
+    )
+
+
+def _assert_unchanged(s, before):
+    after = _state(s)
+    assert after[0] is before[0], "the tape object was replaced by a rejected call"
+    assert after[1:] == before[1:]
