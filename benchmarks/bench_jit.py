@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _timing import min_of_k
 
 import tapeflow as tfl
-from _timing import min_of_k
 
 TARGET = 1.05
 
@@ -117,7 +117,9 @@ class HandWritten:
 
 def batch(sizes: tuple[int, ...], n: int, seed: int = 0) -> tuple[Any, Any]:
     r = np.random.default_rng(seed)
-    return jnp.asarray(r.standard_normal((n, sizes[0])), jnp.float32), jnp.asarray(r.integers(0, sizes[-1], n), jnp.int32)
+    return jnp.asarray(r.standard_normal((n, sizes[0])), jnp.float32), jnp.asarray(
+        r.integers(0, sizes[-1], n), jnp.int32
+    )
 
 
 def compare(label: str, sizes: tuple[int, ...], bsz: int, n: int, k: int, warmup: int) -> tuple[float, float]:
@@ -151,7 +153,9 @@ def depth_sweep(depths: tuple[int, ...], width: int, bsz: int, n: int, k: int, w
     for depth in depths:
         sizes = (width,) * (depth + 1)
         t_tfl, t_hand = compare(f"  {depth:>2} layers ({2 * depth:>2} params)", sizes, bsz, n, k, warmup)
-        print(f"  {'':<32} overhead {(t_tfl - t_hand) * 1e6:+8.1f} us/call ({(t_tfl - t_hand) / (2 * depth) * 1e9:+8.1f} ns per param)")
+        print(
+            f"  {'':<32} overhead {(t_tfl - t_hand) * 1e6:+8.1f} us/call ({(t_tfl - t_hand) / (2 * depth) * 1e9:+8.1f} ns per param)"
+        )
 
 
 def python_calls_per_step(depths: tuple[int, ...], width: int, bsz: int) -> None:
@@ -181,7 +185,9 @@ def python_calls_per_step(depths: tuple[int, ...], width: int, bsz: int) -> None
             finally:
                 sys.setprofile(None)
             counts.append(n[0])
-        print(f"  {depth:>2} layers ({2 * depth:>2} params): train_step {counts[0]:3d}   hand-written jit {counts[1]:3d}")
+        print(
+            f"  {depth:>2} layers ({2 * depth:>2} params): train_step {counts[0]:3d}   hand-written jit {counts[1]:3d}"
+        )
 
 
 def wrapper_cost(depths: tuple[int, ...], width: int, bsz: int) -> None:
@@ -222,7 +228,9 @@ def drift(width: int, depth: int, bsz: int, windows: int, n: int) -> None:
         times.append(min_of_k(lambda: step(x, y), n, 1, 0))
     row = "  ".join(f"{t * 1e6:6.1f}" for t in times)
     print(f"\n{depth}-layer train_step, us/call over successive windows of {n} steps: {row}")
-    print(f"  last/first window: {times[-1] / times[0]:.3f} (flat: ~1.0; total steps {step.step_count}, traces {step.trace_count})")
+    print(
+        f"  last/first window: {times[-1] / times[0]:.3f} (flat: ~1.0; total steps {step.step_count}, traces {step.trace_count})"
+    )
 
 
 def bench_nnx(n: int, k: int, warmup: int, t_tfl: float) -> None:
@@ -269,7 +277,9 @@ def main() -> None:
         n_big, n_small, k, warmup, depths, windows = 20, 200, 3, 5, (2, 8, 32), 3
     else:
         n_big, n_small, k, warmup, depths, windows = 100, 1000, 7, 20, (2, 4, 8, 16, 32), 6
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; loss: {'cross_entropy' if HAS_CE else 'mse (cross_entropy not registered)'}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; loss: {'cross_entropy' if HAS_CE else 'mse (cross_entropy not registered)'}"
+    )
     print("train_step vs a hand-written jax.jit + optax.adam step (both donate params and state):\n")
     t_big, _ = compare("MLP 784-256-256-10, batch 64", (784, 256, 256, 10), 64, n_big, k, warmup)
     compare("MLP 32 x 16-wide, batch 16", (16,) * 33, 16, n_small, k, warmup)

@@ -37,12 +37,12 @@ from typing import Any
 if "--multithread" not in sys.argv:
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import fmt, min_of_k, verdict
 
-import tapeflow as tfl  # noqa: E402
-from _timing import fmt, min_of_k, verdict  # noqa: E402
+import tapeflow as tfl
 
 SIZES = (784, 256, 256, 10)
 BATCH = 64

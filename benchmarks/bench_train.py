@@ -42,13 +42,13 @@ from typing import Any
 if "--multithread" not in sys.argv:
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _timing import min_of_k
 
-import tapeflow as tfl  # noqa: E402
-from _timing import min_of_k  # noqa: E402
+import tapeflow as tfl
 
 BATCH = 64
 MLP = (784, 256, 256, 10)
@@ -180,7 +180,9 @@ class JaxEager:
 # --------------------------------------------------------------------------- PyTorch
 
 
-def torch_steps(ws: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[Callable[[], None], Callable[[], None]] | None:
+def torch_steps(
+    ws: list[np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[Callable[[], None], Callable[[], None]] | None:
     try:
         import torch
         import torch.nn.functional as F
@@ -235,14 +237,24 @@ def main() -> None:
     aw = ae_weights(np.random.default_rng(1))
     torch = torch_steps(mw, x, y)
 
-    print(f"jax {jax.__version__} on {jax.devices()[0]}, optax {optax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"batch {BATCH}, Adam lr {LR}, min of {k} repeats x {n} steps"
-          f"{'' if HAS_CE else ' (no cross_entropy op: mse to one-hot)'}")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0]}, optax {optax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
+    print(
+        f"batch {BATCH}, Adam lr {LR}, min of {k} repeats x {n} steps"
+        f"{'' if HAS_CE else ' (no cross_entropy op: mse to one-hot)'}"
+    )
     if torch is None:
         print("torch not importable: PyTorch comparison skipped")
 
     cases = [
-        ("(a) MLP 784-256-256-10, cross-entropy" if HAS_CE else "(a) MLP 784-256-256-10, mse", TflMLP, mw, jax_mlp_loss, 0),
+        (
+            "(a) MLP 784-256-256-10, cross-entropy" if HAS_CE else "(a) MLP 784-256-256-10, mse",
+            TflMLP,
+            mw,
+            jax_mlp_loss,
+            0,
+        ),
         ("(b) tied autoencoder 784-128, W_dec = tie(W)", TflAE, aw, jax_ae_loss, 1),
     ]
     for title, cls, ws, jloss, ti in cases:
@@ -259,13 +271,17 @@ def main() -> None:
             best_all = min(best_all, (time.perf_counter() - t0) / n)
             best_opt = min(best_opt, model.t_opt / n)
         print(f"  tapeflow eager step          {t_tfl * 1e3:8.3f} ms")
-        print(f"    of which opt.step          {best_opt * 1e3:8.3f} ms  ({best_opt / best_all:.0%} of {best_all * 1e3:.3f} ms)")
+        print(
+            f"    of which opt.step          {best_opt * 1e3:8.3f} ms  ({best_opt / best_all:.0%} of {best_all * 1e3:.3f} ms)"
+        )
         if torch is not None:
             t_torch = min_of_k(torch[ti], n, k, warm)
             r = t_tfl / t_torch
             verdict = "meets" if r <= TARGET_VS_TORCH else "MISSES"
-            print(f"  PyTorch eager + Adam         {t_torch * 1e3:8.3f} ms   tapeflow/torch = {r:5.2f}x "
-                  f"(target <= {TARGET_VS_TORCH}x: {verdict})")
+            print(
+                f"  PyTorch eager + Adam         {t_torch * 1e3:8.3f} ms   tapeflow/torch = {r:5.2f}x "
+                f"(target <= {TARGET_VS_TORCH}x: {verdict})"
+            )
         je = JaxEager(jloss, ws, x, y)
         t_jax = min_of_k(je.step, n_jax, k, 2)
         print(f"  jax.value_and_grad + optax   {t_jax * 1e3:8.3f} ms   unjitted-jax/tapeflow = {t_jax / t_tfl:5.1f}x")

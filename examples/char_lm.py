@@ -83,7 +83,17 @@ def make_batch(data: np.ndarray, batch: int, context: int, rng: np.random.Genera
     return w[:, :-1], w[:, 1:]
 
 
-def sample(model: CharLM, prompt: str, n: int, stoi: dict[str, int], itos: list[str], *, temperature: float, seed: int, device: Any) -> str:
+def sample(
+    model: CharLM,
+    prompt: str,
+    n: int,
+    stoi: dict[str, int],
+    itos: list[str],
+    *,
+    temperature: float,
+    seed: int,
+    device: Any,
+) -> str:
     """Generate ``n`` characters after ``prompt``, one forward pass per character, in an inference session.
 
     The window is always ``model.context`` characters (the prompt is left-padded
@@ -160,9 +170,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_s = time.perf_counter() - t0
     initial = losses_f[0]
     final = float(np.mean(losses_f[-10:]))
-    print(f"loss {initial:.3f} -> {final:.3f} (uniform over the vocabulary: {math.log(len(itos)):.3f}) in {train_s:.1f} s")
+    print(
+        f"loss {initial:.3f} -> {final:.3f} (uniform over the vocabulary: {math.log(len(itos)):.3f}) in {train_s:.1f} s"
+    )
 
-    text_out = sample(model, args.prompt, args.chars, stoi, itos, temperature=args.temperature, seed=args.seed, device=device)
+    text_out = sample(
+        model, args.prompt, args.chars, stoi, itos, temperature=args.temperature, seed=args.seed, device=device
+    )
     print(f"--- sample (temperature {args.temperature}) ---")
     print(text_out)
     print("---")

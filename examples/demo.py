@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     compiled = tfl.train_step(m_c.loss, opt_c)
     t_eager = time_steps(eager_step, x_tr, y_tr, idx, 100)
     t_jit = time_steps(compiled, x_tr, y_tr, idx, 300)
-    print(f"time per step: eager {t_eager * 1e3:.2f} ms, train_step {t_jit * 1e3:.3f} ms ({t_eager / t_jit:.1f}x faster)")
+    print(
+        f"time per step: eager {t_eager * 1e3:.2f} ms, train_step {t_jit * 1e3:.3f} ms ({t_eager / t_jit:.1f}x faster)"
+    )
 
     path = Path(args.checkpoint).resolve()
     tfl.save(path, model.records(), optimizer=opt, session=session, overwrite=True)

@@ -57,20 +57,19 @@ from ._checkpoint_meta import (
     StorageEntry,
     bad_meta,
 )
+from ._device import default_device
 from ._params import Param, _device_of, canonical_indices
 
 if TYPE_CHECKING:
     from ._optim import Optimizer
     from ._session import Session
 
-__all__ = ["CheckpointError", "save", "restore"]
+__all__ = ["CheckpointError", "restore", "save"]
 
 _PARAMS = "params"
 _OPT = "opt_state"
 _META = "meta"
 _ORBAX_MARKER = "_CHECKPOINT_METADATA"
-
-
 
 
 # --------------------------------------------------------------------------- orbax
@@ -193,14 +192,14 @@ def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str |
         first.setdefault(id(p.storage), i)
     out = []
     for k, st in enumerate(optimizer.params):
-        i = first.get(id(st))
-        if i is None:
+        j = first.get(id(st))
+        if j is None:
             rec = next((p for p in optimizer.records if p.storage is st), st)
             raise CheckpointError(
                 f"the optimizer's slot {k} updates {rec!r}, which is not among the parameters being {verb}; "
                 "pass every parameter the optimizer updates (e.g. the same list / module the optimizer was built from)"
             )
-        out.append(i)
+        out.append(j)
     return out
 
 
@@ -223,7 +222,11 @@ def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
 
 
 def save(
-    path: StrPath, params_or_module: ParamSource, optimizer: Optimizer | None = None, session: Session | None = None, *,
+    path: StrPath,
+    params_or_module: ParamSource,
+    optimizer: Optimizer | None = None,
+    session: Session | None = None,
+    *,
     overwrite: bool = False,
 ) -> None:
     """Write a checkpoint directory at ``path`` (atomically).
@@ -294,8 +297,13 @@ def save(
         opt_meta = OptimizerEntry(str(treedef), tuple(leaf_meta), opt_layout, tuple(slot_regs))
     sess_meta = None if session is None else SessionEntry(int(session.seed), int(session.rng_counter))
     meta = CheckpointMeta(
-        registrations=tuple(registrations), alias_layout=layout, keyed=keyed, storages=tuple(storages),
-        optimizer=opt_meta, session=sess_meta, jax_version=jax.__version__,
+        registrations=tuple(registrations),
+        alias_layout=layout,
+        keyed=keyed,
+        storages=tuple(storages),
+        optimizer=opt_meta,
+        session=sess_meta,
+        jax_version=jax.__version__,
     )
 
     ocp = _ocp()
@@ -313,7 +321,9 @@ def save(
     except Exception as e:
         if replacing:
             shutil.rmtree(target, ignore_errors=True)
-        raise CheckpointError(f"saving the checkpoint to {path} failed ({_short(e)}); no checkpoint was written (an existing one is left as it was)") from e
+        raise CheckpointError(
+            f"saving the checkpoint to {path} failed ({_short(e)}); no checkpoint was written (an existing one is left as it was)"
+        ) from e
     if replacing:
         old = f"{path}.tapeflow-old-{uuid.uuid4().hex[:12]}"
         os.rename(path, old)
@@ -332,7 +342,9 @@ def save(
 def _load_meta(path: str) -> CheckpointMeta:
     """Read the ``meta`` item of the checkpoint directory at ``path`` (validated by ``from_json``)."""
     if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}: the path does not exist; check the path (save writes a directory)")
+        raise CheckpointError(
+            f"no checkpoint at {path}: the path does not exist; check the path (save writes a directory)"
+        )
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory; tfl.save writes a checkpoint directory")
     if not os.path.isdir(os.path.join(path, _META)):
@@ -416,7 +428,9 @@ def _check_optimizer(
         )
     slot_regs, saved_slots = _opt_slot_registrations(optimizer, regs, names, "restored"), list(om.slot_registrations)
     if slot_regs != saved_slots:
-        k = next((i for i, (a, b) in enumerate(zip(slot_regs, saved_slots)) if a != b), min(len(slot_regs), len(saved_slots)))
+        k = next(
+            (i for i, (a, b) in enumerate(zip(slot_regs, saved_slots)) if a != b), min(len(slot_regs), len(saved_slots))
+        )
         raise CheckpointError(
             f"the optimizer's slot {k} maps to a different parameter: checkpoint slots update registrations "
             f"{saved_slots}, destination slots update {slot_regs}; build the optimizer over the "
@@ -458,7 +472,7 @@ def _check_optimizer(
 
 def _target_sharding(current: object) -> jax.sharding.SingleDeviceSharding:
     dev = _device_of(current)
-    return jax.sharding.SingleDeviceSharding(dev if dev is not None else jax.devices()[0])
+    return jax.sharding.SingleDeviceSharding(dev if dev is not None else default_device())
 
 
 class _Want(NamedTuple):
@@ -485,7 +499,10 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
     ocp = _ocp()
     args = {
         item: ocp.args.StandardRestore(
-            {k: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=_target_sharding(spec.current)) for k, spec in w.items()}
+            {
+                k: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=_target_sharding(spec.current))
+                for k, spec in w.items()
+            }
         )
         for item, w in wanted.items()
     }

@@ -31,7 +31,6 @@ from ._checks import is_int
 __all__ = [
     "FORMAT",
     "VERSION",
-    "bad_meta",
     "CheckpointError",
     "CheckpointMeta",
     "LeafEntry",
@@ -39,6 +38,7 @@ __all__ = [
     "ParamEntry",
     "SessionEntry",
     "StorageEntry",
+    "bad_meta",
 ]
 
 FORMAT = "tapeflow.checkpoint"
@@ -54,7 +54,7 @@ CheckpointError.__module__ = "tapeflow"  # its public home: tfl.CheckpointError
 
 # --------------------------------------------------------------------------- metadata
 
-Json: TypeAlias = "None | bool | int | float | str | list[Json] | dict[str, Json]"
+Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 _I64 = 2**63  # metadata ints lie in [0, 2**63); a seed in JAX's int64 seed range [-2**63, 2**63), which holds uint32's
 
 
@@ -143,14 +143,20 @@ class CheckpointMeta:
         _check_layout(path, "alias_layout", meta.alias_layout, n)
         firsts, stored = [i for i, c in enumerate(meta.alias_layout) if c == i], [s.registration for s in meta.storages]
         if stored != firsts:
-            raise bad_meta(path, f"field 'storages' does not match its alias layout: it stores registrations {stored!s:.80}, "
-                            f"the layout's storages start at {firsts!s:.80}")
+            raise bad_meta(
+                path,
+                f"field 'storages' does not match its alias layout: it stores registrations {stored!s:.80}, "
+                f"the layout's storages start at {firsts!s:.80}",
+            )
         if om is not None:
             _check_layout(path, "optimizer.alias_layout", om.alias_layout, len(om.alias_layout))
             slots = sum(c == i for i, c in enumerate(om.alias_layout))
             if len(om.slot_registrations) != slots or not all(r < n for r in om.slot_registrations):
-                raise bad_meta(path, f"field 'optimizer.slot_registrations' is {list(om.slot_registrations)!s:.80}, "
-                                f"expected {slots} registrations below {n} (one per storage of the optimizer's alias layout)")
+                raise bad_meta(
+                    path,
+                    f"field 'optimizer.slot_registrations' is {list(om.slot_registrations)!s:.80}, "
+                    f"expected {slots} registrations below {n} (one per storage of the optimizer's alias layout)",
+                )
         return meta
 
 
@@ -206,19 +212,28 @@ def _parse(path: str, where: str, tp: object, v: Json, lo: int = 0) -> object:
         return tuple(_parse(path, f"{where}[{i}]", args[0], x, lo) for i, x in enumerate(items))
     if isinstance(origin, type) and is_dataclass(origin):
         obj = v if isinstance(v, dict) else _fail(path, where, v, "an object")
-        for name, t, low in _schema(origin):
+        for name, t, _ in _schema(origin):
             if name not in obj:
                 sub = f"{where}.{name}" if where else name
                 raise bad_meta(path, f"has no '{sub}' {_KINDS.get(get_origin(t) or t, 'entry')}")
-        return origin(**{n: _parse(path, f"{where}.{n}" if where else n, t, obj[n], low) for n, t, low in _schema(origin)})
+        return origin(
+            **{n: _parse(path, f"{where}.{n}" if where else n, t, obj[n], low) for n, t, low in _schema(origin)}
+        )
     if origin is np.dtype:
         return np.dtype(cast(str, v)) if _is_dtype(v) else _fail(path, where, v, "the name of a numeric NumPy dtype")
     if origin is int:
-        return int(cast(int, v)) if _in(v, lo, _I64) else _fail(path, where, v, f"an int in [{'-2**63' if lo else 0}, 2**63)")
+        return (
+            int(cast(int, v))
+            if _in(v, lo, _I64)
+            else _fail(path, where, v, f"an int in [{'-2**63' if lo else 0}, 2**63)")
+        )
     return v if isinstance(v, cast(type, origin)) else _fail(path, where, v, f"a {_KINDS[origin]}")
 
 
 def _check_layout(path: str, where: str, lay: tuple[int, ...], n: int) -> None:
     if len(lay) != n or not all(c <= i and lay[c] == c for i, c in enumerate(lay)):
-        raise bad_meta(path, f"field '{where}' is {list(lay)!s:.80}, not an alias layout of {n} registrations "
-                        "(entry i: the first registration of i's storage)")
+        raise bad_meta(
+            path,
+            f"field '{where}' is {list(lay)!s:.80}, not an alias layout of {n} registrations "
+            "(entry i: the first registration of i's storage)",
+        )

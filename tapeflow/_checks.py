@@ -50,6 +50,14 @@ def int_pair(v: Any) -> tuple[int, int] | None:
     return None
 
 
+def checked_pair(v: Any) -> tuple[int, int]:
+    """:func:`int_pair` of an attribute the op's check already accepted (a kernel's view of it)."""
+    p = int_pair(v)
+    if p is None:
+        raise ValueError(f"expected an int or a pair of ints, got {v!r}")
+    return p
+
+
 def float_operands(specs: Sequence[Spec], which: Sequence[int] | None = None) -> str | None:
     """Message if an operand listed in ``which`` (default: all) has no floating (or exact rational) dtype."""
     for i in range(len(specs)) if which is None else which:

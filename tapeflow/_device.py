@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["resolve_device", "default_device"]
+__all__ = ["default_device", "resolve_device"]
 
 _ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
@@ -60,7 +60,7 @@ def default_device() -> jax.Device:
     ...     default_device().platform
     'cpu'
     """
-    dev = jax.config.jax_default_device
+    dev = getattr(jax.config, "jax_default_device", None)
     if dev is None:
         return jax.devices()[0]
     return resolve_device(dev)  # a platform name such as "cpu", or a jax.Device as it is

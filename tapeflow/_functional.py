@@ -34,7 +34,7 @@ from ._session import Session
 from ._tensor import Tensor
 from ._typing import Array, OptState, PRNGKey, PyTree
 
-__all__ = ["value_and_grad", "train_step", "TrainStep", "TrainStepOptions", "param_values"]
+__all__ = ["TrainStep", "TrainStepOptions", "param_values", "train_step", "value_and_grad"]
 
 LossFn: TypeAlias = Callable[..., "Tensor | tuple[Tensor, PyTree]"]
 """``loss_fn(session, *args, **kwargs)``: a scalar Tensor recorded on ``session`` (or ``(loss, aux)`` with ``has_aux``)."""
@@ -71,7 +71,7 @@ def _trace_loss(
 ) -> tuple[Session, Tensor, PyTree]:
     s = _functional_session(overrides, key)
     with s.as_current():
-        out = loss_fn(s, *args, **kwargs)
+        out: PyTree = loss_fn(s, *args, **kwargs)
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TapeError("value_and_grad(has_aux=True): loss_fn must return (loss, aux)")
@@ -79,11 +79,17 @@ def _trace_loss(
     else:
         loss, aux = out, None
     if not isinstance(loss, Tensor):
-        raise TapeError(f"loss_fn must return a scalar tfl.Tensor recorded on the session it was given, got {type(loss).__name__}")
+        raise TapeError(
+            f"loss_fn must return a scalar tfl.Tensor recorded on the session it was given, got {type(loss).__name__}"
+        )
     s.check(loss)
     if loss.shape != ():
-        raise TapeError(f"loss_fn must return a scalar; got a tensor of shape {loss.shape} (reduce it with tfl.mean or tfl.sum)")
-    aux = jax.tree_util.tree_map(lambda a: a.value if isinstance(a, Tensor) else a, aux, is_leaf=lambda a: isinstance(a, Tensor))
+        raise TapeError(
+            f"loss_fn must return a scalar; got a tensor of shape {loss.shape} (reduce it with tfl.mean or tfl.sum)"
+        )
+    aux = jax.tree_util.tree_map(
+        lambda a: a.value if isinstance(a, Tensor) else a, aux, is_leaf=lambda a: isinstance(a, Tensor)
+    )
     return s, loss, aux
 
 
@@ -140,7 +146,7 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
             )
         canon = canonical_indices([p.storage for p in leaves])
         for i, c in enumerate(canon):
-            if c != i:
+            if c is not None and c != i:
                 raise TapeError(
                     f"value_and_grad: params{_leaf_path(params, c)} and params{_leaf_path(params, i)} "
                     f"({leaves[c]!r}, {leaves[i]!r}) share one storage; pass each storage once (tied records resolve to it)"
@@ -255,17 +261,22 @@ class TrainStep:
                 return spec
         return PartitionSpec()
 
+    def _mesh(self) -> Mesh:
+        if self.mesh is None:
+            raise TapeError("TrainStep: this step was built without a mesh; pass mesh= to train_step to shard it")
+        return self.mesh
+
     def _param_shardings(self, storages: tuple[Storage, ...]) -> list[NamedSharding]:
         if self._shardings_for is not storages:
             keys = self.optimizer.slot_keys
-            self._shardings = [NamedSharding(self.mesh, self._spec_for(st, key)) for st, key in zip(storages, keys)]
+            self._shardings = [NamedSharding(self._mesh(), self._spec_for(st, key)) for st, key in zip(storages, keys)]
             self._shardings_for = storages
         return self._shardings
 
     def _place(
         self, storages: tuple[Storage, ...], values: list[Array], state: OptState, args: tuple[PyTree, ...]
     ) -> tuple[list[Array], OptState, tuple[PyTree, ...]]:
-        mesh = self.mesh
+        mesh = self._mesh()
         pshard = self._param_shardings(storages)
         repl = NamedSharding(mesh, PartitionSpec())
         values = [jax.device_put(v, sh) for v, sh in zip(values, pshard)]

@@ -148,7 +148,9 @@ def _source(d: OpDef, fname: str, params: list[inspect.Parameter]) -> str:
 def _sequence(opname: str, param: str, xs: Iterable[Operand]) -> tuple[Operand, ...]:
     """The operands of a variadic op, given as one sequence."""
     if isinstance(xs, (Tensor, Param, np.ndarray)) or hasattr(xs, "shape"):
-        raise TapeError(f"{opname}: {param} must be a sequence of operands (a list or tuple), got one {type(xs).__name__}")
+        raise TapeError(
+            f"{opname}: {param} must be a sequence of operands (a list or tuple), got one {type(xs).__name__}"
+        )
     try:
         return tuple(xs)
     except TypeError:
@@ -175,7 +177,7 @@ def _make_function(d: OpDef, fname: str | None = None) -> _OpFunction:
     filename = f"<tapeflow generated {fname}>"
     ns: dict[str, object] = {"_apply": apply, "_sequence": _sequence, "_gap": _gap}
     ns.update({f"_d_{p.name}": p.default for p in params if p.default is not _P.empty})
-    exec(compile(src, filename, "exec"), ns)  # noqa: S102 - source built from validated identifiers only
+    exec(compile(src, filename, "exec"), ns)
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # readable tracebacks
     f = ns[fname]
     assert inspect.isfunction(f)
@@ -204,7 +206,9 @@ def dropout(x: Tensor, rate: float, training: bool | None = None) -> Tensor:
         return x if isinstance(x, Tensor) else apply("stop_gradient", x)
     if not is_float(np.dtype(x.dtype)):
         # checked before drawing: a rejected call must not advance the RNG counter
-        raise TapeError(f"dropout: operand has dtype {x.dtype}, expected a floating dtype; cast it first with tfl.astype")
+        raise TapeError(
+            f"dropout: operand has dtype {x.dtype}, expected a floating dtype; cast it first with tfl.astype"
+        )
     keep = 1.0 - float(rate)
     mask = s.bernoulli_mask(x.shape, keep)
     return apply("where", mask, x * (1.0 / keep), 0.0)

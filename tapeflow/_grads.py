@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import jax
 import numpy as np
@@ -33,8 +33,11 @@ from ._typing import Array, NodeId
 
 __all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "release_arrays", "sum_in_leaf_order"]
 
-ParameterRecord = Any
+ParameterRecord: TypeAlias = Any
 """What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
+
+GradKey: TypeAlias = "Param | Storage | Tensor | NodeId"
+"""What ``grads[...]`` accepts: a Param or Storage (summed per storage), a Tensor handle or a node id (one leaf)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,7 @@ class ParameterGroup:
     """
 
     id: int
-    parameter: Any
+    parameter: ParameterRecord
     leaves: tuple[int, ...]
     storage: Storage | None
 
@@ -56,7 +59,9 @@ class ParameterGroup:
         return len(self.leaves) > 1
 
 
-def group_parameter_leaves(params_by_leaf: Mapping[int, Any], storage_by_leaf: Mapping[int, Storage]) -> list[ParameterGroup]:
+def group_parameter_leaves(
+    params_by_leaf: Mapping[NodeId, ParameterRecord], storage_by_leaf: Mapping[NodeId, Storage]
+) -> list[ParameterGroup]:
     """Group registrations by storage identity, in recording order, without reading tensor data.
 
     Registrations without a storage descriptor stay separate groups.
@@ -79,7 +84,7 @@ def group_parameter_leaves(params_by_leaf: Mapping[int, Any], storage_by_leaf: M
     return groups
 
 
-def sum_in_leaf_order(parts: Sequence[Any]) -> Any:
+def sum_in_leaf_order(parts: Sequence[Array]) -> Array:
     """Sum the cotangents of one storage's leaves in recording order.
 
     A single cotangent is returned as the very same array (no copy, no add). The
@@ -106,7 +111,7 @@ def release_arrays(arrays: Sequence[Array], keep: Sequence[Array] = ()) -> int:
     return n
 
 
-class Grads(Mapping[Any, Any]):
+class Grads(Mapping[GradKey, Array]):
     """The result of :meth:`Session.backward`.
 
     * ``grads[param]``: the gradient of a :class:`Param`, summed over every leaf
@@ -121,11 +126,11 @@ class Grads(Mapping[Any, Any]):
 
     def __init__(
         self,
-        by_leaf: dict[int, Any],
+        by_leaf: dict[NodeId, Array],
         groups: list[ParameterGroup],
         owner: int,
         generation: int,
-        keep: Sequence[Any] = (),
+        keep: Sequence[Array] = (),
     ) -> None:
         self.by_leaf = by_leaf
         self.groups = groups
@@ -135,13 +140,14 @@ class Grads(Mapping[Any, Any]):
         for g in groups:
             if g.storage is not None:
                 self._group_of_storage[id(g.storage)] = g
-        self._sums: dict[int, Any] = {}
+        self._sums: dict[NodeId, Array] = {}
         self._keep = list(keep)
         self._param_leaves = {i for g in groups for i in g.leaves}
         self.released = False
+        self._consumed: set[NodeId] = set()
 
     # -- gradient per group ----------------------------------------------------
-    def group_gradient(self, group: ParameterGroup) -> Any:
+    def group_gradient(self, group: ParameterGroup) -> Array | None:
         """The summed gradient of ``group`` (the leaf's own array for a singleton)."""
         self._check_live()
         if len(group.leaves) == 1:
@@ -177,20 +183,27 @@ class Grads(Mapping[Any, Any]):
 
     def _check_live(self) -> None:
         if self.released:
-            raise TapeError("these gradients were released (Grads.release() or the end of its with block); run backward again")
+            raise TapeError(
+                "these gradients were released (Grads.release() or the end of its with block); run backward again"
+            )
 
-    def _key_to_group(self, key: Any) -> ParameterGroup | None:
+    def _key_to_group(self, key: object) -> ParameterGroup | None:
         if isinstance(key, Param):
             return self._group_of_storage.get(id(key.storage))
         if isinstance(key, Storage):
             return self._group_of_storage.get(id(key))
         return None
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: GradKey) -> Array:
         self._check_live()
         if isinstance(key, (Param, Storage)):
             g = self._key_to_group(key)
             val = None if g is None else self.group_gradient(g)
+            if val is None and g is not None and g.id in self._consumed:
+                raise KeyError(
+                    f"the gradient of {key!r} was consumed (and freed) by an Optimizer.step; "
+                    "read grads[param] before the step if you need it"
+                )
             if val is None:
                 raise KeyError(
                     f"{key!r} was not used as a trainable parameter in this recording, so it has no gradient; "
@@ -207,7 +220,7 @@ class Grads(Mapping[Any, Any]):
 
     def __contains__(self, key: object) -> bool:
         try:
-            self[key]
+            self[cast(GradKey, key)]
         except KeyError:
             return False
         return True
@@ -220,7 +233,7 @@ class Grads(Mapping[Any, Any]):
         self._check_live()
         return len(self.by_leaf)
 
-    def params(self) -> list[tuple[Any, Any]]:
+    def params(self) -> list[tuple[ParameterRecord, Array]]:
         """``(parameter, gradient)`` for each group, in recording order."""
         out = []
         for g in self.groups:
@@ -243,6 +256,7 @@ class Grads(Mapping[Any, Any]):
             if g.id in self._sums:
                 arrays.append(self._sums.pop(g.id))
             self._param_leaves.difference_update(g.leaves)
+            self._consumed.add(g.id)
         release_arrays(arrays, keep=self._keep)
         if not self._param_leaves:
             self.release()
@@ -259,7 +273,7 @@ class Grads(Mapping[Any, Any]):
     def __enter__(self) -> Grads:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from numpy.typing import DTypeLike
 
 from ._checks import axes_error, broadcast, float_operands, is_number, norm_axes, same_dtype
 from ._registry import REQUIRED, Axes, Spec, broadcast_shapes, op, unbroadcast, xp_of
+from ._typing import Array
 
 # --------------------------------------------------------------------------- checks
 
@@ -38,76 +39,76 @@ def _reduce_check(specs: tuple[Spec, ...], axis: Any = None, **_: Any) -> str | 
 
 
 @op("add", arity=2, exact=True, check=binary_check)
-def add(x: Any, y: Any) -> Any:
+def add(x: Array, y: Array) -> Array:
     """Elementwise ``x + y`` with broadcasting."""
     return x + y
 
 
 @add.defvjp
-def _add_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _add_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     return unbroadcast(g, x.shape), unbroadcast(g, y.shape)
 
 
 @op("sub", arity=2, exact=True, check=binary_check)
-def sub(x: Any, y: Any) -> Any:
+def sub(x: Array, y: Array) -> Array:
     """Elementwise ``x - y`` with broadcasting."""
     return x - y
 
 
 @sub.defvjp
-def _sub_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _sub_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     return unbroadcast(g, x.shape), unbroadcast(-g, y.shape)
 
 
 @op("mul", arity=2, exact=True, check=binary_check)
-def mul(x: Any, y: Any) -> Any:
+def mul(x: Array, y: Array) -> Array:
     """Elementwise ``x * y`` with broadcasting."""
     return x * y
 
 
 @mul.defvjp
-def _mul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _mul_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     return unbroadcast(g * y, x.shape), unbroadcast(g * x, y.shape)
 
 
 @op("div", arity=2, exact=True, check=binary_float_check)
-def div(x: Any, y: Any) -> Any:
+def div(x: Array, y: Array) -> Array:
     """Elementwise ``x / y`` with broadcasting (floating operands)."""
     return x / y
 
 
 @div.defvjp
-def _div_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _div_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     gx = g / y
     return unbroadcast(gx, x.shape), unbroadcast(-gx * out, y.shape)
 
 
 @op("neg", arity=1, exact=True)
-def neg(x: Any) -> Any:
+def neg(x: Array) -> Array:
     """Elementwise ``-x``."""
     return -x
 
 
 @neg.defvjp
-def _neg_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+def _neg_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
     return (-g,)
 
 
 @op("pow", arity=2, check=binary_float_check)
-def pow(x: Any, y: Any) -> Any:  # noqa: A001 - the op is called pow
+def pow(x: Array, y: Array) -> Array:
     """Elementwise ``x ** y``; the gradient wrt ``y`` uses ``log(x)`` where ``x > 0``."""
     return x**y
 
 
 @pow.defvjp
-def _pow_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _pow_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     gx = g * y * jnp.where(y == 0, 1.0, x ** jnp.where(y == 0, 1.0, y - 1)).astype(x.dtype)
     safe = jnp.where(x > 0, x, 1.0)
     gy = g * jnp.where(x > 0, out * jnp.log(safe), 0.0).astype(out.dtype)
     return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
 
 
-def _select_vjp(g: Any, x: Any, y: Any, x_wins: Any, y_wins: Any) -> tuple[Any, Any]:
+def _select_vjp(g: Array, x: Array, y: Array, x_wins: Array, y_wins: Array) -> tuple[Array, Array]:
     """VJP of an elementwise pick of ``x`` or ``y``: ``g`` to the winner, half to each side on a tie (as ``jax.grad``)."""
     xp = xp_of(g)
     tie = xp.where(x == y, g / 2, 0 * g)
@@ -115,24 +116,24 @@ def _select_vjp(g: Any, x: Any, y: Any, x_wins: Any, y_wins: Any) -> tuple[Any, 
 
 
 @op("maximum", arity=2, exact=True, check=binary_check)
-def maximum(x: Any, y: Any) -> Any:
+def maximum(x: Array, y: Array) -> Array:
     """Elementwise maximum; ties send half the gradient to each side (as ``jax.grad``)."""
     return xp_of(x).maximum(x, y)
 
 
 @maximum.defvjp
-def _maximum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _maximum_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     return _select_vjp(g, x, y, x > y, y > x)
 
 
 @op("minimum", arity=2, exact=True, check=binary_check)
-def minimum(x: Any, y: Any) -> Any:
+def minimum(x: Array, y: Array) -> Array:
     """Elementwise minimum; ties send half the gradient to each side (as ``jax.grad``)."""
     return xp_of(x).minimum(x, y)
 
 
 @minimum.defvjp
-def _minimum_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _minimum_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     return _select_vjp(g, x, y, x < y, y < x)
 
 
@@ -143,13 +144,13 @@ def _where_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
 
 
 @op("where", arity=3, nondiff=(0,), exact=True, check=_where_check)
-def where(cond: Any, x: Any, y: Any) -> Any:
+def where(cond: Array, x: Array, y: Array) -> Array:
     """``x`` where ``cond`` else ``y`` (``cond`` boolean, no gradient)."""
     return xp_of(x).where(cond, x, y)
 
 
 @where.defvjp
-def _where_vjp(g: Any, out: Any, cond: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
+def _where_vjp(g: Array, out: Array, cond: Array, x: Array, y: Array) -> tuple[Array, Array, Array]:
     xp = xp_of(g)
     z = 0 * g
     return None, unbroadcast(xp.where(cond, g, z), x.shape), unbroadcast(xp.where(cond, z, g), y.shape)
@@ -161,19 +162,19 @@ def _where_vjp(g: Any, out: Any, cond: Any, x: Any, y: Any) -> tuple[Any, Any, A
 def _unary(name: str, fwd: Any, deriv: Any, doc: str) -> None:
     """Register a float unary op whose VJP is ``g * deriv(x, out)``."""
 
-    def f(x: Any) -> Any:
+    def f(x: Array) -> Array:
         return fwd(x)
 
     f.__doc__ = doc
     d = op(name, arity=1, check=float_operands)(f)
 
-    def vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+    def vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
         return ((g * deriv(x, out)).astype(g.dtype),)
 
     d.defvjp(vjp)
 
 
-def _softplus_deriv(x: Any, out: Any) -> Any:
+def _softplus_deriv(x: Array, out: Array) -> Array:
     return jax.nn.sigmoid(x)
 
 
@@ -188,7 +189,7 @@ _unary("softplus", jax.nn.softplus, _softplus_deriv, "Elementwise ``log(1 + exp(
 _unary("abs", jnp.abs, lambda x, out: jnp.sign(x), "Elementwise absolute value (gradient sign(x), 0 at 0).")
 
 
-def _gelu_deriv(x: Any, out: Any) -> Any:
+def _gelu_deriv(x: Array, out: Array) -> Array:
     # exact (erf) GELU: x * Phi(x)
     phi = jnp.exp(-0.5 * x * x) / jnp.sqrt(2 * jnp.pi).astype(x.dtype)
     cdf = 0.5 * (1 + jax.lax.erf(x / jnp.sqrt(2.0).astype(x.dtype)))
@@ -199,15 +200,15 @@ _unary("gelu", lambda x: jax.nn.gelu(x, approximate=False), _gelu_deriv, "Elemen
 
 
 @op("relu", arity=1, exact=True, check=float_operands)
-def relu(x: Any) -> Any:
+def relu(x: Array) -> Array:
     """Elementwise ``max(x, 0)`` (NaN propagates, as in ``jax.nn.relu``); the gradient at 0 is 0."""
     if xp_of(x) is np:  # exact rationals
-        return np.where(x > 0, x, Fraction(0))
+        return np.where(x > 0, x, np.asarray(Fraction(0), dtype=object))
     return jnp.maximum(x, jnp.zeros((), x.dtype))
 
 
 @relu.defvjp
-def _relu_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+def _relu_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
     xp = xp_of(g)
     return (xp.where(x > 0, g, 0 * g),)
 
@@ -224,13 +225,13 @@ def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str
 
 
 @op("clamp", arity=1, attrs={"lo": None, "hi": None}, check=_clamp_check)
-def clamp(x: Any, lo: float | None, hi: float | None) -> Any:
+def clamp(x: Array, lo: float | None, hi: float | None) -> Array:
     """Clip ``x`` to ``[lo, hi]`` (either bound may be None); gradient passes inside the range."""
     return jnp.clip(x, lo, hi)
 
 
 @clamp.defvjp
-def _clamp_vjp(g: Any, out: Any, x: Any, lo: Any, hi: Any) -> tuple[Any]:
+def _clamp_vjp(g: Array, out: Array, x: Array, lo: Any, hi: Any) -> tuple[Any]:
     inside = jnp.ones(x.shape, bool)
     if lo is not None:
         inside = inside & (x >= lo)
@@ -240,13 +241,13 @@ def _clamp_vjp(g: Any, out: Any, x: Any, lo: Any, hi: Any) -> tuple[Any]:
 
 
 @op("stop_gradient", arity=1, exact=True)
-def stop_gradient(x: Any) -> Any:
+def stop_gradient(x: Array) -> Array:
     """Identity whose output never carries a gradient to ``x``."""
     return x
 
 
 @stop_gradient.defvjp
-def _stop_gradient_vjp(g: Any, out: Any, x: Any) -> tuple[Any]:
+def _stop_gradient_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
     return (0 * g,)
 
 
@@ -259,18 +260,18 @@ def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
 
 
 @op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check)
-def astype(x: Any, dtype: DTypeLike) -> Any:
+def astype(x: Array, dtype: DTypeLike) -> Array:
     """Cast to ``dtype``; the gradient is cast back (none flows into integer inputs)."""
     return x.astype(dtype)
 
 
 @astype.defvjp
-def _astype_vjp(g: Any, out: Any, x: Any, dtype: Any) -> tuple[Any]:
+def _astype_vjp(g: Array, out: Array, x: Array, dtype: Any) -> tuple[Any]:
     return (g.astype(x.dtype),)
 
 
 def _cmp(name: str, symbol: str, fn: Any) -> None:
-    def f(x: Any, y: Any) -> Any:
+    def f(x: Array, y: Array) -> Array:
         return fn(x, y)
 
     f.__doc__ = f"Elementwise comparison ``x {symbol} y`` with broadcasting (boolean result, no gradient)."
@@ -288,7 +289,7 @@ _cmp("ne", "!=", lambda x, y: x != y)
 # --------------------------------------------------------------------------- reductions
 
 
-def _expand(g: Any, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Any:
+def _expand(g: Array, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Array:
     """Reshape a reduced cotangent so it broadcasts against the input of ``shape``."""
     if keepdims:
         return g
@@ -298,19 +299,19 @@ def _expand(g: Any, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Any:
 
 
 @op("sum", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
-def sum_(x: Any, axis: Axes | None, keepdims: bool) -> Any:
+def sum_(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """Sum over ``axis`` (an int, a tuple, or None for all)."""
     return xp_of(x).sum(x, axis=axis, keepdims=keepdims)
 
 
 @sum_.defvjp
-def _sum_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+def _sum_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
     xp = xp_of(g)
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape),)
 
 
 @op("mean", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
-def mean(x: Any, axis: Axes | None, keepdims: bool) -> Any:
+def mean(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """Mean over ``axis`` (an int, a tuple, or None for all)."""
     xp = xp_of(x)
     if xp is np:
@@ -320,20 +321,20 @@ def mean(x: Any, axis: Axes | None, keepdims: bool) -> Any:
 
 
 @mean.defvjp
-def _mean_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+def _mean_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
     xp = xp_of(g)
     count = int(np.prod([x.shape[a] for a in norm_axes(axis, x.ndim)], dtype=np.int64))
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape) / count,)
 
 
 @op("max", arity=1, attrs={"axis": None, "keepdims": False}, check=_reduce_check)
-def max_(x: Any, axis: Axes | None, keepdims: bool) -> Any:
+def max_(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """Maximum over ``axis``; ties share the gradient equally (as ``jax.grad``)."""
     return jnp.max(x, axis=axis, keepdims=keepdims)
 
 
 @max_.defvjp
-def _max_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+def _max_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
     o = _expand(out, x.shape, axis, keepdims)
     gg = _expand(g, x.shape, axis, keepdims)
     hit = (x == o).astype(g.dtype)
@@ -344,7 +345,7 @@ def _max_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
 # --------------------------------------------------------------------------- matrix products
 
 
-def _matmul_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+def _matmul_check(specs: tuple[Spec, ...], **_attrs: Any) -> str | None:
     (a, _), (b, _) = specs
     if err := same_dtype(specs):
         return err
@@ -354,20 +355,21 @@ def _matmul_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
     k2 = b[-2] if len(b) >= 2 else b[0]
     if k1 != k2:
         return f"contracting dimensions differ: {a} @ {b} contracts {k1} with {k2}"
-    if len(a) > 2 or len(b) > 2:
-        if broadcast_shapes(a[:-2] if len(a) >= 2 else (), b[:-2] if len(b) >= 2 else ()) is None:
-            return f"batch dimensions of {a} and {b} do not broadcast"
+    if (len(a) > 2 or len(b) > 2) and broadcast_shapes(
+        a[:-2] if len(a) >= 2 else (), b[:-2] if len(b) >= 2 else ()
+    ) is None:
+        return f"batch dimensions of {a} and {b} do not broadcast"
     return None
 
 
 @op("matmul", arity=2, exact=True, check=_matmul_check)
-def matmul(x: Any, y: Any) -> Any:
+def matmul(x: Array, y: Array) -> Array:
     """Matrix product with NumPy semantics (batching and broadcasting of leading dims)."""
     return x @ y
 
 
 @matmul.defvjp
-def _matmul_vjp(g: Any, out: Any, x: Any, y: Any) -> tuple[Any, Any]:
+def _matmul_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     xp = xp_of(g)
     if x.ndim == 1 and y.ndim == 1:  # inner product: g is a scalar
         return g * y, g * x
@@ -401,14 +403,14 @@ def _linear_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
 
 
 @op("linear", arity=(2, 3), check=_linear_check)
-def linear(x: Any, w: Any, b: Any = None) -> Any:
+def linear(x: Array, w: Array, b: Array = None) -> Array:
     """``x @ w + b`` with ``w`` of shape ``(in, out)`` and an optional bias ``b`` of shape ``(out,)``."""
     y = x @ w
     return y if b is None else y + b
 
 
 @linear.defvjp
-def _linear_vjp(g: Any, out: Any, x: Any, w: Any, b: Any = None) -> tuple[Any, ...]:
+def _linear_vjp(g: Array, out: Array, x: Array, w: Array, b: Array = None) -> tuple[Array, ...]:
     gx = g @ w.T
     gw = jnp.reshape(x, (-1, x.shape[-1])).T @ jnp.reshape(g, (-1, g.shape[-1]))
     if b is None:

@@ -16,8 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import axes_error, broadcasts_to, float_check, int_pair, is_int, is_int_dtype, is_number, norm_axes
+from ._checks import (
+    axes_error,
+    broadcasts_to,
+    checked_pair,
+    float_check,
+    int_pair,
+    is_int,
+    is_int_dtype,
+    is_number,
+    norm_axes,
+)
 from ._registry import REQUIRED, Axes, Padding, Pair, Reduction, Spec, broadcast_shapes, op, unbroadcast
+from ._typing import Array
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -32,7 +43,7 @@ def _reduction_error(reduction: Any) -> str | None:
     return None
 
 
-def _reduce(loss: Any, reduction: str) -> Any:
+def _reduce(loss: Array, reduction: str) -> Array:
     if reduction == "mean":
         return jnp.mean(loss)
     if reduction == "sum":
@@ -40,7 +51,7 @@ def _reduce(loss: Any, reduction: str) -> Any:
     return loss
 
 
-def _unreduce(g: Any, shape: tuple[int, ...], reduction: str) -> Any:
+def _unreduce(g: Array, shape: tuple[int, ...], reduction: str) -> Array:
     """The per-element cotangent of a loss reduced with ``reduction`` to ``g``."""
     if reduction == "none":
         return g
@@ -50,7 +61,7 @@ def _unreduce(g: Any, shape: tuple[int, ...], reduction: str) -> Any:
     return g
 
 
-def _stable_max(x: Any, axes: tuple[int, ...]) -> Any:
+def _stable_max(x: Array, axes: tuple[int, ...]) -> Array:
     """``max`` over ``axes`` (keepdims), replaced by 0 where it is not finite (all -inf rows)."""
     m = jnp.max(x, axis=axes, keepdims=True)
     return jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, jnp.zeros((), x.dtype)))
@@ -60,7 +71,7 @@ def _stable_max(x: Any, axes: tuple[int, ...]) -> Any:
 
 
 @op("softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
-def softmax(x: Any, axis: Axes) -> Any:
+def softmax(x: Array, axis: Axes) -> Array:
     """``exp(x) / sum(exp(x))`` over ``axis`` (int or tuple), computed as ``exp(x - max)`` for stability."""
     axes = norm_axes(axis, x.ndim)
     e = jnp.exp(x - _stable_max(x, axes))
@@ -68,13 +79,13 @@ def softmax(x: Any, axis: Axes) -> Any:
 
 
 @softmax.defvjp
-def _softmax_vjp(g: Any, out: Any, x: Any, axis: Any) -> tuple[Any]:
+def _softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
     axes = norm_axes(axis, x.ndim)
     return (out * (g - jnp.sum(g * out, axis=axes, keepdims=True)),)
 
 
 @op("log_softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
-def log_softmax(x: Any, axis: Axes) -> Any:
+def log_softmax(x: Array, axis: Axes) -> Array:
     """``x - logsumexp(x)`` over ``axis`` (int or tuple), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
     s = x - _stable_max(x, axes)
@@ -82,7 +93,7 @@ def log_softmax(x: Any, axis: Axes) -> Any:
 
 
 @log_softmax.defvjp
-def _log_softmax_vjp(g: Any, out: Any, x: Any, axis: Any) -> tuple[Any]:
+def _log_softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
     axes = norm_axes(axis, x.ndim)
     return (g - jnp.exp(out) * jnp.sum(g, axis=axes, keepdims=True),)
 
@@ -96,7 +107,7 @@ def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str |
 
 
 @op("logsumexp", arity=1, attrs={"axis": -1, "keepdims": False}, check=_logsumexp_check)
-def logsumexp(x: Any, axis: Axes | None, keepdims: bool) -> Any:
+def logsumexp(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """``log(sum(exp(x)))`` over ``axis`` (int, tuple or None for all), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
     m = _stable_max(x, axes)
@@ -105,7 +116,7 @@ def logsumexp(x: Any, axis: Axes | None, keepdims: bool) -> Any:
 
 
 @logsumexp.defvjp
-def _logsumexp_vjp(g: Any, out: Any, x: Any, axis: Any, keepdims: bool) -> tuple[Any]:
+def _logsumexp_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
     axes = norm_axes(axis, x.ndim)
     if not keepdims:
         g = jnp.expand_dims(g, axes)
@@ -140,7 +151,7 @@ def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | Non
     return None
 
 
-def _layer_norm_stats(x: Any, axes: tuple[int, ...], eps: float) -> tuple[Any, Any]:
+def _layer_norm_stats(x: Array, axes: tuple[int, ...], eps: float) -> tuple[Array, Array]:
     mu = jnp.mean(x, axis=axes, keepdims=True)
     xc = x - mu
     rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=axes, keepdims=True) + jnp.asarray(eps, x.dtype))
@@ -148,7 +159,7 @@ def _layer_norm_stats(x: Any, axes: tuple[int, ...], eps: float) -> tuple[Any, A
 
 
 @op("layer_norm", arity=(1, 3), attrs={"axis": -1, "eps": 1e-5}, check=_layer_norm_check)
-def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Axes, eps: float) -> Any:
+def layer_norm(x: Array, weight: Array = None, bias: Array = None, *, axis: Axes, eps: float) -> Array:
     """Layer normalization ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
 
     ``var`` is the biased variance; ``weight`` and ``bias`` are optional (give
@@ -161,15 +172,13 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, axis: Axes, eps:
 
 @layer_norm.defvjp
 def _layer_norm_vjp(
-    g: Any, out: Any, x: Any, weight: Any = None, bias: Any = None, *, axis: Any, eps: float
-) -> tuple[Any, ...]:
+    g: Array, out: Array, x: Array, weight: Array = None, bias: Array = None, *, axis: Any, eps: float
+) -> tuple[Array, ...]:
     axes = norm_axes(axis, x.ndim)
     xhat, rstd = _layer_norm_stats(x, axes, eps)
     gx_hat = g if weight is None else g * weight
     gx = rstd * (
-        gx_hat
-        - jnp.mean(gx_hat, axis=axes, keepdims=True)
-        - xhat * jnp.mean(gx_hat * xhat, axis=axes, keepdims=True)
+        gx_hat - jnp.mean(gx_hat, axis=axes, keepdims=True) - xhat * jnp.mean(gx_hat * xhat, axis=axes, keepdims=True)
     )
     lead = tuple(range(x.ndim - len(axes)))
     cts: list[Any] = [gx]
@@ -199,7 +208,7 @@ def _cross_entropy_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
     return _reduction_error(reduction)
 
 
-def _ce_parts(logits: Any, labels: Any) -> tuple[Any, Any, Any]:
+def _ce_parts(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
     """Log-softmax, one-hot labels, and whether each label lies in ``[0, C)``."""
     c = logits.shape[-1]
     logp = logits - logsumexp.fwd(logits, axis=-1, keepdims=True)
@@ -209,7 +218,7 @@ def _ce_parts(logits: Any, labels: Any) -> tuple[Any, Any, Any]:
 
 
 @op("cross_entropy", arity=2, attrs={"reduction": "mean"}, nondiff=(1,), check=_cross_entropy_check)
-def cross_entropy(logits: Any, labels: Any, reduction: Reduction) -> Any:
+def cross_entropy(logits: Array, labels: Array, reduction: Reduction) -> Array:
     """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).
 
     Per row ``logsumexp(logits) - logits[label]``, reduced by ``reduction``
@@ -224,7 +233,7 @@ def cross_entropy(logits: Any, labels: Any, reduction: Reduction) -> Any:
 
 
 @cross_entropy.defvjp
-def _cross_entropy_vjp(g: Any, out: Any, logits: Any, labels: Any, reduction: str) -> tuple[Any, None]:
+def _cross_entropy_vjp(g: Array, out: Array, logits: Array, labels: Array, reduction: str) -> tuple[Any, None]:
     logp, onehot, valid = _ce_parts(logits, labels)
     gl = _unreduce(g, labels.shape, reduction)
     gl = jnp.where(valid, gl, jnp.asarray(jnp.nan, logits.dtype))
@@ -243,14 +252,14 @@ def _mse_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
 
 
 @op("mse", arity=2, attrs={"reduction": "mean"}, check=_mse_check)
-def mse(pred: Any, target: Any, reduction: Reduction) -> Any:
+def mse(pred: Array, target: Array, reduction: Reduction) -> Array:
     """Squared error ``(pred - target) ** 2`` (same shapes), reduced by "mean", "sum" or "none"."""
     d = pred - target
     return _reduce(d * d, reduction)
 
 
 @mse.defvjp
-def _mse_vjp(g: Any, out: Any, pred: Any, target: Any, reduction: str) -> tuple[Any, Any]:
+def _mse_vjp(g: Array, out: Array, pred: Array, target: Array, reduction: str) -> tuple[Array, Array]:
     gd = 2 * (pred - target) * _unreduce(g, pred.shape, reduction)
     return gd, -gd
 
@@ -292,7 +301,7 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
         return err
     if len(ws) != 4:
         return f"weight must be OIHW (rank 4: out_channels, in_channels/groups, kH, kW), got shape {ws}"
-    st, dl = int_pair(stride), int_pair(dilation)
+    st, dl = checked_pair(stride), checked_pair(dilation)
     if st is None or min(st) < 1:
         return f"attribute stride={stride!r} must be a positive int or a pair of them"
     if dl is None or min(dl) < 1:
@@ -305,9 +314,7 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
     n, c, h, w = xs
     o, ci, kh, kw = ws
     if c % groups or o % groups:
-        return (
-            f"groups={groups} must divide both the input channels ({c}) and the output channels ({o})"
-        )
+        return f"groups={groups} must divide both the input channels ({c}) and the output channels ({o})"
     if ci * groups != c:
         return (
             f"input has {c} channels but weight expects {ci * groups} (groups={groups}); "
@@ -349,7 +356,9 @@ def _conv2d_pads(
     attrs={"stride": 1, "padding": 0, "dilation": 1, "groups": 1},
     check=_conv2d_check,
 )
-def conv2d(x: Any, w: Any, b: Any = None, *, stride: Pair, padding: Padding, dilation: Pair, groups: int) -> Any:
+def conv2d(
+    x: Array, w: Array, b: Array = None, *, stride: Pair, padding: Padding, dilation: Pair, groups: int
+) -> Array:
     """2-D convolution (cross-correlation) of ``x`` (N, C, H, W) with ``w`` (O, C/groups, kH, kW), plus an optional bias ``b`` (O,).
 
     ``stride`` and ``dilation`` are an int or a pair; ``padding`` is an int, a
@@ -359,7 +368,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: Pair, padding: Padding, dil
     the process on the transposed convolution that ``jax.vjp`` emits for some
     strided shapes (e.g. x (1, 1, 6, 5), w (1, 1, 2, 3), stride 2, padding (1, 0)).
     """
-    st, dl = int_pair(stride), int_pair(dilation)
+    st, dl = checked_pair(stride), checked_pair(dilation)
     y = jax.lax.conv_general_dilated(
         x,
         w,
@@ -374,9 +383,9 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: Pair, padding: Padding, dil
 
 @conv2d.defvjp
 def _conv2d_vjp(
-    g: Any, out: Any, x: Any, w: Any, b: Any = None, *, stride: Any, padding: Any, dilation: Any, groups: int
-) -> tuple[Any, ...]:
-    (sh, sw), (dh, dw) = int_pair(stride), int_pair(dilation)
+    g: Array, out: Array, x: Array, w: Array, b: Array = None, *, stride: Any, padding: Any, dilation: Any, groups: int
+) -> tuple[Array, ...]:
+    (sh, sw), (dh, dw) = checked_pair(stride), checked_pair(dilation)
     n, c, h, wd = x.shape
     o, cg, kh, kw = w.shape
     (p0, p1), (q0, q1) = _conv2d_pads((h, wd), (kh, kw), (sh, sw), (dh, dw), padding)
@@ -410,7 +419,7 @@ def _conv2d_vjp(
 # --------------------------------------------------------------------------- pooling
 
 
-def _pool_pairs(kernel_size: Any, stride: Any, padding: Any) -> tuple[Any, Any, Any]:
+def _pool_pairs(kernel_size: Any, stride: Any, padding: Any) -> tuple[Array, Array, Array]:
     """Kernel size, stride (None = the kernel size) and padding as ``(h, w)`` int pairs; None where malformed."""
     k = int_pair(kernel_size)
     return k, k if stride is None else int_pair(stride), int_pair(padding)
@@ -437,7 +446,7 @@ def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding:
     return None
 
 
-def _window(kernel_size: Any, stride: Any, padding: Any) -> tuple[Any, Any, Any]:
+def _window(kernel_size: Any, stride: Any, padding: Any) -> tuple[Array, Array, Array]:
     k, s, p = _pool_pairs(kernel_size, stride, padding)
     return (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))
 
@@ -446,7 +455,7 @@ _POOL_ATTRS = {"kernel_size": REQUIRED, "stride": None, "padding": 0}
 
 
 @op("max_pool2d", arity=1, attrs=_POOL_ATTRS, check=_pool_check)
-def max_pool2d(x: Any, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Any:
+def max_pool2d(x: Array, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Array:
     """Max over ``kernel_size`` windows of ``x`` (N, C, H, W); ``stride`` defaults to ``kernel_size``.
 
     Padding is implicit ``-inf``. Via ``jax.lax.reduce_window``; the VJP is
@@ -459,7 +468,7 @@ def max_pool2d(x: Any, kernel_size: Pair, stride: Pair | None, padding: Pair) ->
 
 
 @op("avg_pool2d", arity=1, attrs=_POOL_ATTRS, check=_pool_check)
-def avg_pool2d(x: Any, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Any:
+def avg_pool2d(x: Array, kernel_size: Pair, stride: Pair | None, padding: Pair) -> Array:
     """Mean over ``kernel_size`` windows of ``x`` (N, C, H, W); ``stride`` defaults to ``kernel_size``.
 
     Zero padding counts in the mean (the divisor is always kH * kW). Via
@@ -501,7 +510,7 @@ def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | 
     return None
 
 
-def _attention_probs(q: Any, k: Any, mask: Any, scale: Any, causal: bool) -> tuple[Any, Any]:
+def _attention_probs(q: Array, k: Array, mask: Array, scale: Any, causal: bool) -> tuple[Array, Array]:
     """Attention weights ``p`` (..., Lq, Lk) and the scale used; fully masked rows get ``p = 0``."""
     sc = jnp.asarray(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)
     s = (q @ jnp.swapaxes(k, -1, -2)) * sc
@@ -530,7 +539,7 @@ def _attention_probs(q: Any, k: Any, mask: Any, scale: Any, causal: bool) -> tup
     check=_attention_check,
     aliases=("scaled_dot_product_attention",),
 )
-def attention(q: Any, k: Any, v: Any, mask: Any = None, *, scale: float | None, causal: bool) -> Any:
+def attention(q: Array, k: Array, v: Array, mask: Array = None, *, scale: float | None, causal: bool) -> Array:
     """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims
@@ -547,8 +556,8 @@ def attention(q: Any, k: Any, v: Any, mask: Any = None, *, scale: float | None, 
 
 @attention.defvjp
 def _attention_vjp(
-    g: Any, out: Any, q: Any, k: Any, v: Any, mask: Any = None, *, scale: Any, causal: bool
-) -> tuple[Any, ...]:
+    g: Array, out: Array, q: Array, k: Array, v: Array, mask: Array = None, *, scale: Any, causal: bool
+) -> tuple[Array, ...]:
     p, sc = _attention_probs(q, k, mask, scale, causal)
     gv = jnp.swapaxes(p, -1, -2) @ g
     gp = g @ jnp.swapaxes(v, -1, -2)

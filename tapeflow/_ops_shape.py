@@ -24,6 +24,7 @@ import numpy as np
 
 from ._checks import axes_error, axis_error, broadcasts_to, int_tuple, is_int, is_int_dtype, same_dtype
 from ._registry import REQUIRED, Axes, ShapeLike, Spec, op, unbroadcast, xp_of
+from ._typing import Array
 
 __all__ = ["normalize_index"]
 
@@ -55,23 +56,20 @@ def _reshape_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
     known = math.prod(s for s in want if s != -1)
     if -1 in want:
         if known == 0 or size % known:
-            return (
-                f"cannot infer the -1 in shape={want} for {size} element(s): "
-                f"{size} is not a multiple of {known}"
-            )
+            return f"cannot infer the -1 in shape={want} for {size} element(s): {size} is not a multiple of {known}"
     elif known != size:
         return f"cannot reshape {size} element(s) into shape={want} ({known} element(s))"
     return None
 
 
 @op("reshape", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_reshape_check)
-def reshape(x: Any, shape: ShapeLike) -> Any:
+def reshape(x: Array, shape: ShapeLike) -> Array:
     """Reshape to ``shape`` (an int or tuple of ints; one entry may be -1, inferred)."""
     return xp_of(x).reshape(x, shape)
 
 
 @reshape.defvjp
-def _reshape_vjp(g: Any, out: Any, x: Any, shape: Any) -> tuple[Any]:
+def _reshape_vjp(g: Array, out: Array, x: Array, shape: Any) -> tuple[Any]:
     return (xp_of(g).reshape(g, x.shape),)
 
 
@@ -105,23 +103,23 @@ def _permute_check(specs: tuple[Spec, ...], axes: Any) -> str | None:
     return _perm_check(specs, axes)
 
 
-def _transpose(x: Any, axes: Any) -> Any:
+def _transpose(x: Array, axes: Any) -> Array:
     return xp_of(x).transpose(x, _perm(axes, x.ndim))
 
 
-def _transpose_vjp(g: Any, out: Any, x: Any, axes: Any) -> tuple[Any]:
+def _transpose_vjp(g: Array, out: Array, x: Array, axes: Any) -> tuple[Any]:
     inv = tuple(int(i) for i in np.argsort(_perm(axes, x.ndim)))
     return (xp_of(g).transpose(g, inv),)
 
 
 @op("transpose", arity=1, attrs={"axes": None}, exact=True, check=_perm_check)
-def transpose(x: Any, axes: Sequence[int] | None) -> Any:
+def transpose(x: Array, axes: Sequence[int] | None) -> Array:
     """Permute the axes: ``axes`` is a permutation of ``range(x.ndim)``, None (default) reverses them."""
     return _transpose(x, axes)
 
 
 @op("permute", arity=1, attrs={"axes": REQUIRED}, exact=True, check=_permute_check)
-def permute(x: Any, axes: Sequence[int]) -> Any:
+def permute(x: Array, axes: Sequence[int]) -> Array:
     """Permute the axes by ``axes`` (required; same semantics as ``transpose``)."""
     return _transpose(x, axes)
 
@@ -147,13 +145,13 @@ def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
 
 
 @op("broadcast_to", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_broadcast_to_check)
-def broadcast_to(x: Any, shape: ShapeLike) -> Any:
+def broadcast_to(x: Array, shape: ShapeLike) -> Array:
     """Broadcast ``x`` to ``shape`` with NumPy rules; the VJP sums over the broadcast axes."""
     return xp_of(x).broadcast_to(x, int_tuple(shape))
 
 
 @broadcast_to.defvjp
-def _broadcast_to_vjp(g: Any, out: Any, x: Any, shape: Any) -> tuple[Any]:
+def _broadcast_to_vjp(g: Array, out: Array, x: Array, shape: Any) -> tuple[Any]:
     return (unbroadcast(g, x.shape),)
 
 
@@ -166,12 +164,12 @@ def _expand_dims_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 
 @op("expand_dims", arity=1, attrs={"axis": REQUIRED}, exact=True, check=_expand_dims_check)
-def expand_dims(x: Any, axis: Axes) -> Any:
+def expand_dims(x: Array, axis: Axes) -> Array:
     """Insert size-1 axes at ``axis`` (an int or tuple, positions in the result)."""
     return xp_of(x).expand_dims(x, int_tuple(axis))
 
 
-def _reshape_back_vjp(g: Any, out: Any, x: Any, **_: Any) -> tuple[Any]:
+def _reshape_back_vjp(g: Array, out: Array, x: Array, **_: Any) -> tuple[Any]:
     return (xp_of(g).reshape(g, x.shape),)
 
 
@@ -194,7 +192,7 @@ def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 
 @op("squeeze", arity=1, attrs={"axis": None}, exact=True, check=_squeeze_check)
-def squeeze(x: Any, axis: Axes | None) -> Any:
+def squeeze(x: Array, axis: Axes | None) -> Array:
     """Remove size-1 axes: those named by ``axis`` (each must have size 1), or all of them if None."""
     return xp_of(x).squeeze(x, axis=None if axis is None else int_tuple(axis))
 
@@ -226,13 +224,13 @@ def _concat_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
 
 
 @op("concat", arity=(1, None), attrs={"axis": 0}, exact=True, check=_concat_check)
-def concat(*xs: Any, axis: int) -> Any:
+def concat(*xs: Array, axis: int) -> Array:
     """Concatenate the sequence of operands ``xs`` along ``axis`` (same dtype, same shape except along ``axis``)."""
     return xp_of(xs[0]).concatenate(xs, axis=axis)
 
 
 @concat.defvjp
-def _concat_vjp(g: Any, out: Any, *xs: Any, axis: int) -> tuple[Any, ...]:
+def _concat_vjp(g: Array, out: Array, *xs: Array, axis: int) -> tuple[Array, ...]:
     ax = axis % g.ndim
     cuts = np.cumsum([x.shape[ax] for x in xs])[:-1].tolist()
     return tuple(xp_of(g).split(g, cuts, axis=ax))
@@ -241,7 +239,7 @@ def _concat_vjp(g: Any, out: Any, *xs: Any, axis: int) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- basic indexing
 
 
-def _norm_item(v: Any) -> Any:
+def _norm_item(v: Array) -> Array:
     if v is None or v is Ellipsis:
         return v
     if is_int(v):
@@ -263,7 +261,7 @@ def _norm_item(v: Any) -> Any:
     )
 
 
-def normalize_index(idx: Any) -> tuple[Any, ...]:
+def normalize_index(idx: Any) -> tuple[Array, ...]:
     """A hashable form of a basic index, for the ``index`` op's ``index`` attribute.
 
     ``idx`` is an int, a slice, ``None`` (new axis), ``Ellipsis``, or a tuple of
@@ -288,7 +286,7 @@ def normalize_index(idx: Any) -> tuple[Any, ...]:
     return out
 
 
-def to_python_index(idx: tuple[Any, ...]) -> tuple[Any, ...]:
+def to_python_index(idx: tuple[Array, ...]) -> tuple[Array, ...]:
     """The inverse of :func:`normalize_index`: ``("slice", a, b, c)`` items back to ``slice(a, b, c)``."""
     return tuple(slice(*v[1:]) if isinstance(v, tuple) else v for v in normalize_index(idx))
 
@@ -324,7 +322,7 @@ def _index_check(specs: tuple[Spec, ...], index: Any) -> str | None:
 
 
 @op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check, public=False)  # x[...] records it
-def index(x: Any, index: Any) -> Any:
+def index(x: Array, index: Any) -> Array:
     """Basic indexing ``x[index]`` with ints, slices, None and Ellipsis (see :func:`normalize_index`).
 
     record() turns a list attribute into a tuple, so ``index=[0, 1]`` means
@@ -336,7 +334,7 @@ def index(x: Any, index: Any) -> Any:
 
 
 @index.defvjp
-def _index_vjp(g: Any, out: Any, x: Any, index: Any) -> tuple[Any]:
+def _index_vjp(g: Array, out: Array, x: Array, index: Any) -> tuple[Any]:
     idx = to_python_index(index)
     if xp_of(g) is np:
         z = 0 * x
@@ -362,25 +360,25 @@ def _take_check(specs: tuple[Spec, ...], axis: Any = 0) -> str | None:
     return None
 
 
-def _clip_indices(indices: Any, n: int) -> Any:
+def _clip_indices(indices: Array, n: int) -> Array:
     """NumPy-style negative indices (``-n <= i < 0`` count from the end), then clamp to ``[0, n-1]``."""
     i = jnp.where(indices < 0, indices + n, indices)
     return jnp.clip(i, 0, max(n - 1, 0))
 
 
-def _take(x: Any, indices: Any, axis: int) -> Any:
+def _take(x: Array, indices: Array, axis: int) -> Array:
     ax = axis % x.ndim
     return jnp.take(x, _clip_indices(indices, x.shape[ax]), axis=ax, mode="clip")
 
 
-def _take_vjp(g: Any, out: Any, x: Any, indices: Any, axis: int = 0) -> tuple[Any, None]:
+def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> tuple[Any, None]:
     ax = axis % x.ndim
     where = (slice(None),) * ax + (_clip_indices(indices, x.shape[ax]),)
     return jnp.zeros(x.shape, g.dtype).at[where].add(g), None
 
 
 @op("take", arity=2, attrs={"axis": 0}, nondiff=(1,), check=_take_check)
-def take(x: Any, indices: Any, axis: int) -> Any:
+def take(x: Array, indices: Array, axis: int) -> Array:
     """Select entries of ``x`` along ``axis`` at integer ``indices`` (any shape), as ``jnp.take``.
 
     The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``.
@@ -396,7 +394,7 @@ take.defvjp(_take_vjp)
 
 
 @op("gather", arity=2, nondiff=(1,), check=_take_check)
-def gather(x: Any, indices: Any) -> Any:
+def gather(x: Array, indices: Array) -> Array:
     """``x[indices]`` for an integer array ``indices``: rows of ``x`` along axis 0 (``take`` with axis=0).
 
     Same index semantics as ``take``: negative indices count from the end,
@@ -429,18 +427,17 @@ def _scatter_add_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
     upd = specs[2][0]
     if not broadcasts_to(upd, want):
         return (
-            f"updates have shape {upd} but must broadcast to x.shape[:axis] + indices.shape + "
-            f"x.shape[axis+1:] = {want}"
+            f"updates have shape {upd} but must broadcast to x.shape[:axis] + indices.shape + x.shape[axis+1:] = {want}"
         )
     return None
 
 
-def _scatter_where(ndim: int, axis: int, indices: Any) -> tuple[Any, ...]:
+def _scatter_where(ndim: int, axis: int, indices: Array) -> tuple[Array, ...]:
     return (slice(None),) * (axis % ndim) + (indices,)
 
 
 @op("scatter_add", arity=3, attrs={"axis": 0}, nondiff=(1,), check=_scatter_add_check)
-def scatter_add(x: Any, indices: Any, updates: Any, axis: int) -> Any:
+def scatter_add(x: Array, indices: Array, updates: Array, axis: int) -> Array:
     """``x`` with ``updates`` added at integer ``indices`` along ``axis`` (``x.at[..., indices].add``).
 
     ``updates`` must broadcast to ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``.
@@ -453,7 +450,9 @@ def scatter_add(x: Any, indices: Any, updates: Any, axis: int) -> Any:
 
 
 @scatter_add.defvjp
-def _scatter_add_vjp(g: Any, out: Any, x: Any, indices: Any, updates: Any, axis: int) -> tuple[Any, None, Any]:
+def _scatter_add_vjp(
+    g: Array, out: Array, x: Array, indices: Array, updates: Array, axis: int
+) -> tuple[Any, None, Any]:
     ax = axis % x.ndim
     gu = jnp.take(g, indices, axis=ax, mode="fill", fill_value=0)
     return g, None, unbroadcast(gu, updates.shape)

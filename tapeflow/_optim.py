@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,7 @@ def _records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]
         names = [str(k) for k in params]
         recs = list(params.values())
     else:
-        recs = list(params)
+        recs = list(cast("Iterable[Param]", params))
         names = None
     for i, p in enumerate(recs):
         if not isinstance(p, Param):
@@ -150,7 +150,9 @@ class Optimizer:
     (1, ['emb'], ['emb'])
     """
 
-    def __init__(self, tx: optax.GradientTransformation, params: ParamCollection, *, check_finite: bool = False) -> None:
+    def __init__(
+        self, tx: optax.GradientTransformation, params: ParamCollection, *, check_finite: bool = False
+    ) -> None:
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"Optimizer expects an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
@@ -167,7 +169,9 @@ class Optimizer:
         firsts = [i for i, c in enumerate(self._layout) if c == i]
         self._slot_storages: tuple[Storage, ...] = tuple(storages[i] for i in firsts)
         self._slot_of_storage = {id(s): k for k, s in enumerate(self._slot_storages)}
-        self._slot_keys: list[SlotKey] = [self._names[i] for i in firsts] if self._names is not None else list(range(len(firsts)))
+        self._slot_keys: list[SlotKey] = (
+            [self._names[i] for i in firsts] if self._names is not None else list(range(len(firsts)))
+        )
         # the registrations' storages when the layout was last found valid (check_layout's fast path)
         self._checked_storages: list[Storage] = storages
         # state structure -> slot_index_tree of it (None: tree_map_params could not map it)
@@ -218,7 +222,9 @@ class Optimizer:
         if values is None:
             values = [s.read_host() for s in self._slot_storages]
         elif len(values) != len(self._slot_storages):
-            raise ValueError(f"Optimizer.param_tree: expected {len(self._slot_storages)} values (one per slot), got {len(values)}")
+            raise ValueError(
+                f"Optimizer.param_tree: expected {len(self._slot_storages)} values (one per slot), got {len(values)}"
+            )
         return self._tree(values)
 
     def describe(self, k: int) -> str:
@@ -322,14 +328,16 @@ class Optimizer:
                 groups[k] = g
             return per_slot, groups
         if not isinstance(grads, Mapping):
-            raise TypeError(f"Optimizer.step expects tfl.Grads or a mapping Param -> gradient, got {type(grads).__name__}")
+            raise TypeError(
+                f"Optimizer.step expects tfl.Grads or a mapping Param -> gradient, got {type(grads).__name__}"
+            )
         for key, v in grads.items():
             if isinstance(key, Param):
                 st: Storage | None = key.storage
             elif isinstance(key, Storage):
                 st = key
             elif self._names is not None and key in self._slot_keys:
-                st = self._slot_storages[self._slot_keys.index(key)]
+                st = self._slot_storages[self._slot_keys.index(cast(str, key))]
             else:
                 raise TapeError(f"Optimizer.step: gradient key {key!r} is not one of this optimizer's parameters")
             k = self._slot_of_storage.get(id(st))
@@ -380,7 +388,9 @@ class Optimizer:
         def keep_unused(k: int, new: PyTree, old: PyTree) -> PyTree:
             return old if k >= 0 and not used[k] else new
 
-        def update(slot_grads: list[Array | None], state: OptState, values: list[Array]) -> tuple[list[Array], OptState]:
+        def update(
+            slot_grads: list[Array | None], state: OptState, values: list[Array]
+        ) -> tuple[list[Array], OptState]:
             grads = [slot_grads[k] if used[k] else jnp.zeros_like(values[k]) for k in range(n)]
             params = tree(values)
             updates, new_state = tx.update(tree(grads), state, params)
@@ -420,7 +430,9 @@ class Optimizer:
         """
         n = len(self._slot_storages)
         if len(values) != n or len(grads) != n:
-            raise ValueError(f"Optimizer.update: expected {n} values and gradients (one per slot), got {len(values)} and {len(grads)}")
+            raise ValueError(
+                f"Optimizer.update: expected {n} values and gradients (one per slot), got {len(values)} and {len(grads)}"
+            )
         mask = tuple(g is not None for g in grads) if used is None else tuple(bool(u) for u in used)
         return self._update_fn(mask)(list(grads), state, list(values))
 

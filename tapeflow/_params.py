@@ -28,7 +28,7 @@ from . import _registry as R
 from ._tensor import TensorOps
 from ._typing import Array, ArrayLike, DTypeLike
 
-__all__ = ["Storage", "Param", "tie", "canonical_indices"]
+__all__ = ["Param", "Storage", "canonical_indices", "tie"]
 
 _storage_ids = itertools.count()
 _storage_lock = threading.Lock()
@@ -37,7 +37,7 @@ _storage_lock = threading.Lock()
 def _as_array(value: ArrayLike) -> Array:
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value.copy()
-    if isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
         return value
     return jnp.asarray(value)
 
@@ -61,7 +61,7 @@ class Storage:
 
     # _current is the value of the current cell (_host when _host_current, else _mirror);
     # write_current_many, the one cell update, and read_host's sync keep it so
-    __slots__ = ("shape", "dtype", "_host", "_mirror", "_host_current", "_current", "uid", "__weakref__")
+    __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "shape", "uid")
 
     def __init__(self, value: ArrayLike) -> None:
         v = _as_array(value)
@@ -213,7 +213,7 @@ class Param(TensorOps):
     ((2, 2), 'w', True)
     """
 
-    __slots__ = ("storage", "name", "trainable", "_bound", "__weakref__")
+    __slots__ = ("__weakref__", "_bound", "name", "storage", "trainable")
 
     def __init__(self, value: ArrayLike, name: str | None = None, trainable: bool = True) -> None:
         self.storage = Storage(value)
@@ -300,7 +300,9 @@ def tie(p: Param, name: str | None = None, trainable: bool | None = None) -> Par
     """
     if not isinstance(p, Param):
         raise TypeError(f"tie expects a Param, got {type(p).__name__}")
-    return Param._from_storage(p.storage, p.name if name is None else name, p.trainable if trainable is None else trainable)
+    return Param._from_storage(
+        p.storage, p.name if name is None else name, p.trainable if trainable is None else trainable
+    )
 
 
 def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | None]:
@@ -329,6 +331,8 @@ def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | 
             if isinstance(s, Param):
                 s = s.storage
             elif not isinstance(s, Storage):
-                raise TypeError(f"canonical_indices: slot {i} holds {type(s).__name__}, expected a Storage, Param or None")
+                raise TypeError(
+                    f"canonical_indices: slot {i} holds {type(s).__name__}, expected a Storage, Param or None"
+                )
         append(setdefault(id(s), i))
     return out

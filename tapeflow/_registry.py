@@ -38,28 +38,29 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._typing import Attrs, AttrValue
+from ._typing import Array, Attrs, AttrValue, Shape
 
 __all__ = [
-    "OpDef",
-    "Spec",
-    "op",
-    "normalize_attrs",
-    "Axes",
-    "ShapeLike",
-    "Pair",
-    "Padding",
-    "Reduction",
     "REGISTRY",
-    "ops",
-    "kernel_cache_info",
+    "Axes",
+    "OpDef",
+    "Padding",
+    "Pair",
+    "Reduction",
+    "ShapeLike",
+    "Spec",
     "clear_kernel_caches",
+    "kernel_cache_info",
+    "normalize_attrs",
+    "op",
+    "ops",
 ]
 
 Spec = tuple[tuple[int, ...], np.dtype]
@@ -120,10 +121,10 @@ class OpDef:
     fwd: Callable[..., Any]
     check: Callable[..., str | None] | None
     arity: tuple[int, int | None]
-    defaults: Mapping[str, Any]
+    defaults: Mapping[str, AttrValue]
     nondiff: frozenset[int]
     exact: bool
-    vjp: Callable[..., Sequence[Any]] | None = None
+    vjp: Callable[..., Sequence[Array | None]] | None = None
     doc: str = ""
     notes: str = ""
     operands: tuple[str, ...] = ()
@@ -141,7 +142,7 @@ class OpDef:
         """Names of the trailing operands that may be left out."""
         return () if self.variadic else self.operands[self.arity[0] :]
 
-    def defvjp(self, vjp: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
+    def defvjp(self, vjp: Callable[..., Sequence[Array | None]]) -> Callable[..., Sequence[Array | None]]:
         """Attach the VJP ``vjp(g, out, *inputs, **attrs) -> cotangents``."""
         self.vjp = vjp
         return vjp
@@ -157,7 +158,7 @@ def op(
     name: str,
     *,
     arity: int | tuple[int, int | None] | None = None,
-    attrs: Mapping[str, Any] | None = None,
+    attrs: Mapping[str, AttrValue] | None = None,
     nondiff: Sequence[int] = (),
     exact: bool = False,
     check: Callable[..., str | None] | None = None,
@@ -296,7 +297,7 @@ class FwdEntry:
     fn: Callable[..., Any]
     shape: tuple[int, ...]
     dtype: np.dtype
-    attrs: tuple[tuple[str, Any], ...]
+    attrs: Attrs
     diff: tuple[int, ...]  # input positions that can carry a gradient
     differentiable: bool  # output dtype can carry a gradient
     spec: Spec = ((), OBJECT)  # (shape, dtype) of the output, shared by every node it makes
@@ -324,7 +325,7 @@ def clear_kernel_caches() -> None:
     _JIT_FWD.clear()
 
 
-def _attr_error(d: OpDef, attrs: Mapping[str, Any]) -> str | None:
+def _attr_error(d: OpDef, attrs: Mapping[str, AttrValue]) -> str | None:
     unknown = sorted(set(attrs) - set(d.defaults))
     if unknown:
         allowed = ", ".join(sorted(d.defaults)) or "none"
@@ -339,7 +340,7 @@ def describe(specs: Sequence[Spec]) -> str:
     return ", ".join(f"#{i} {fmt_spec(s)}" for i, s in enumerate(specs)) or "none"
 
 
-def build_fwd(d: OpDef, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, ...]) -> FwdEntry | str:
+def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
     """Check operands and compile the forward; return an entry or an error message."""
     lo, hi = d.arity
     n = len(specs)
@@ -367,8 +368,7 @@ def build_fwd(d: OpDef, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, .
                 "exact rational (object) operands are not supported by this op; "
                 f"ops that are exact on rationals: {exact_ops}"
             )
-        fn = functools.partial(d.fwd, **full)
-        return FwdEntry(fn, (), OBJECT, full_t, diff, True)
+        return FwdEntry(functools.partial(d.fwd, **full), (), OBJECT, full_t, diff, True)
     fwd = functools.partial(d.fwd, **full)
     try:
         out = jax.eval_shape(fwd, *(jax.ShapeDtypeStruct(s, t) for s, t in specs))
@@ -377,29 +377,30 @@ def build_fwd(d: OpDef, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, .
         return f"operands rejected by the forward ({type(e).__name__}: {first})"
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
-    fn = _JIT_FWD.get((d.name, full_t))
+    fn: Callable[..., Any] | None = _JIT_FWD.get((d.name, full_t))
     if fn is None:
         fn = _JIT_FWD[(d.name, full_t)] = jax.jit(fwd)
     shape, dtype = tuple(out.shape), np.dtype(out.dtype)
     return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype))
 
 
-def get_fwd(name: str, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, ...]) -> FwdEntry | str:
+def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
     """Cached :func:`build_fwd`. Errors are not cached: a rejected call leaves the caches as they were."""
     key = (name, attrs, specs)
-    e = _FWD_CACHE.get(key)
-    if e is None:
-        e = build_fwd(REGISTRY[name], attrs, specs)
-        if type(e) is not str:
-            _FWD_CACHE[key] = e
+    cached = _FWD_CACHE.get(key)
+    if cached is not None:
+        return cached
+    e = build_fwd(REGISTRY[name], attrs, specs)
+    if isinstance(e, FwdEntry):
+        _FWD_CACHE[key] = e
     return e
 
 
-def _derived_vjp(d: OpDef, attrs: dict[str, Any], mask: tuple[bool, ...]) -> Callable[..., Any]:
-    def vjp(g: Any, out: Any, *xs: Any) -> tuple[Any, ...]:
+def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) -> Callable[..., Any]:
+    def vjp(g: Array, out: Array, *xs: Array) -> tuple[Array, ...]:
         pos = [i for i, m in enumerate(mask) if m]
 
-        def f(*dx: Any) -> Any:
+        def f(*dx: Array) -> Array:
             full = list(xs)
             for i, v in zip(pos, dx):
                 full[i] = v
@@ -411,9 +412,7 @@ def _derived_vjp(d: OpDef, attrs: dict[str, Any], mask: tuple[bool, ...]) -> Cal
     return vjp
 
 
-def get_vjp(
-    name: str, attrs: tuple[tuple[str, Any], ...], specs: tuple[Spec, ...], mask: tuple[bool, ...]
-) -> Callable[..., Any]:
+def get_vjp(name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Any]:
     """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs`` for one key."""
     key = (name, attrs, specs, mask)
     fn = _VJP_CACHE.get(key)
@@ -425,7 +424,7 @@ def get_vjp(
         else:
             user = d.vjp
 
-            def body(g: Any, out: Any, *xs: Any) -> tuple[Any, ...]:
+            def body(g: Array, out: Array, *xs: Array) -> tuple[Array, ...]:
                 cts = user(g, out, *xs, **full)
                 return tuple(c for c, m in zip(cts, mask) if m)
 
@@ -440,20 +439,18 @@ def get_vjp(
 # --------------------------------------------------------------------------- helpers for op definitions
 
 
-def xp_of(x: Any) -> Any:
+def xp_of(x: Array) -> ModuleType:
     """The array namespace for ``x``: NumPy for exact object arrays, else ``jax.numpy``."""
     return np if isinstance(x, np.ndarray) and x.dtype == OBJECT else jnp
 
 
-def unbroadcast(g: Any, shape: tuple[int, ...]) -> Any:
+def unbroadcast(g: Array, shape: Shape) -> Array:
     """Sum ``g`` over the axes along which an operand of ``shape`` was broadcast."""
     gshape = tuple(g.shape)
     if gshape == tuple(shape):
         return g
     lead = len(gshape) - len(shape)
-    axes = tuple(range(lead)) + tuple(
-        i + lead for i, s in enumerate(shape) if s == 1 and gshape[i + lead] != 1
-    )
+    axes = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape) if s == 1 and gshape[i + lead] != 1)
     xp = xp_of(g)
     if axes:
         g = xp.sum(g, axis=axes)

@@ -15,11 +15,11 @@ that work with structural pattern matching::
 
 from __future__ import annotations
 
-from typing import Any, Final, Generic, NoReturn, TypeVar, Union
+from typing import Any, Final, Generic, NoReturn, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Ok", "Err", "Result", "TapeError"]
+__all__ = ["Err", "Ok", "Result", "TapeError"]
 
 
 class TapeError(ValueError):
@@ -36,6 +36,7 @@ class Ok(Generic[T]):
 
     __slots__ = ("value",)
     __match_args__ = ("value",)
+    value: T
     is_ok: Final = True
     error: Final = None
 
@@ -47,7 +48,7 @@ class Ok(Generic[T]):
 
     def unwrap(self) -> T:
         """Return the value."""
-        return self.value  # type: ignore[no-any-return]
+        return self.value
 
     def __eq__(self, other: object) -> bool:
         return type(other) is Ok and other.value == self.value
@@ -69,6 +70,7 @@ class Err:
 
     __slots__ = ("error",)
     __match_args__ = ("error",)
+    error: str
     is_ok: Final = False
     value: Final = None
 
@@ -92,4 +94,4 @@ class Err:
         return f"Err({self.error!r})"
 
 
-Result = Union[Ok[T], Err]
+Result = Ok[T] | Err

@@ -39,13 +39,13 @@ from ._device import default_device, resolve_device
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
 from ._params import Param, Storage
 from ._random import draw
-from ._result import TapeError
+from ._result import Err, TapeError
 from ._tape import Node, Tape, append_op, check_op, leaf
 from ._tape import backward as _tape_backward
 from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
-__all__ = ["Session", "RationalFallbackWarning"]
+__all__ = ["RationalFallbackWarning", "Session"]
 
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
@@ -295,7 +295,9 @@ class Session:
         """
         nd = self.node(h)
         if nd.op is not None:
-            raise TapeError(f"node #{h.id} is the output of {nd.op!r}, not a leaf; only leaves can be parameter registrations")
+            raise TapeError(
+                f"node #{h.id} is the output of {nd.op!r}, not a leaf; only leaves can be parameter registrations"
+            )
         if storage is not None and (storage.shape != nd.shape or storage.dtype != nd.dtype):
             raise TapeError(
                 f"storage {storage!r} does not match leaf #{h.id} of {R.fmt_spec(nd.spec)}; "
@@ -341,7 +343,7 @@ class Session:
                 plan.append(v)
                 specs.append((tuple(np.shape(v)), np.dtype(v.dtype)))
         entry = check_op(opname, attrs, tuple(specs))
-        if type(entry) is str:
+        if isinstance(entry, str):
             raise TapeError(entry)
         # leaves and the op on a local tape value; commit only on success
         t = self._tape
@@ -359,7 +361,7 @@ class Session:
                 ids.append(i)
         all_nodes = t._buf.nodes
         t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids])
-        if not r.is_ok:
+        if isinstance(r, Err):
             raise TapeError(r.error)
         self._commit(t)
         for i, p in new_params:
@@ -374,6 +376,7 @@ class Session:
                 from fractions import Fraction
 
                 return np.asarray(Fraction(o), dtype=object)
+            dt: np.dtype
             if isinstance(o, bool):
                 dt = np.dtype(bool)
             elif ref_dtype is not None and (isinstance(o, int) or R.is_float(ref_dtype)):
@@ -463,7 +466,9 @@ class Session:
         wrt = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
         wrt += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
         by_leaf = _tape_backward(self._tape, loss.id, seed=seed, wrt=wrt)
-        return Grads(by_leaf, self.parameter_groups(), self._owner, self._generation, keep=() if seed is None else (seed,))
+        return Grads(
+            by_leaf, self.parameter_groups(), self._owner, self._generation, keep=() if seed is None else (seed,)
+        )
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:

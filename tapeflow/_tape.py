@@ -30,9 +30,9 @@ from . import _registry as R
 from ._checks import is_int
 from ._device import resolve_device
 from ._result import Err, Ok, TapeError
-from ._typing import Array
+from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike, NodeId
 
-__all__ = ["Node", "Tape", "leaf", "record", "keep_tape_on_error", "backward"]
+__all__ = ["Node", "Tape", "backward", "keep_tape_on_error", "leaf", "record"]
 
 
 class Node:
@@ -42,14 +42,14 @@ class Node:
     static (they are part of the tape's pytree structure); ``value`` is the array.
     """
 
-    __slots__ = ("op", "attrs", "parents", "value", "requires_grad", "shape", "dtype", "spec")
+    __slots__ = ("attrs", "dtype", "op", "parents", "requires_grad", "shape", "spec", "value")
 
     def __init__(
         self,
         op: str | None,
-        attrs: tuple[tuple[str, Any], ...],
+        attrs: Attrs,
         parents: tuple[int, ...],
-        value: Any,
+        value: Array,
         requires_grad: bool,
         shape: tuple[int, ...],
         dtype: np.dtype,
@@ -104,7 +104,7 @@ class Tape:
     2
     """
 
-    __slots__ = ("_buf", "_n", "device", "__weakref__")
+    __slots__ = ("__weakref__", "_buf", "_n", "device")
 
     _buf: _Buffer
     _n: int
@@ -122,7 +122,7 @@ class Tape:
         return t
 
     @classmethod
-    def empty(cls, device: Any = None) -> Tape:
+    def empty(cls, device: DeviceLike = None) -> Tape:
         """A tape with no nodes whose leaves are placed on ``device`` (default: JAX's default).
 
         ``device`` is ``None``, ``"cpu"``, ``"gpu"``/``"cuda"`` or a ``jax.Device``.
@@ -144,7 +144,7 @@ class Tape:
         nodes = self._buf.nodes
         return (nodes[i] for i in range(self._n))
 
-    def value(self, i: int) -> Any:
+    def value(self, i: int) -> Array:
         """The forward value of node ``i``."""
         return self[i].value
 
@@ -237,7 +237,7 @@ jax.tree_util.register_pytree_node(Tape, _flatten, _unflatten)
 # --------------------------------------------------------------------------- recording
 
 
-def _as_value(value: Any, device: jax.Device | None) -> Any:
+def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value
     if isinstance(value, jax.core.Tracer):
@@ -253,7 +253,7 @@ def _as_value(value: Any, device: jax.Device | None) -> Any:
     return jnp.asarray(value)
 
 
-def leaf(tape: Tape, value: Any, requires_grad: bool = False) -> tuple[Tape, int]:
+def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tape, int]:
     """Append a leaf holding ``value``; returns ``(new_tape, node_id)``. Cannot fail.
 
     Integer and boolean leaves never require grad, whatever ``requires_grad`` says.
@@ -280,7 +280,7 @@ def _operands_note(tape: Tape, inputs: Any) -> str:
         return ""
 
 
-def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Tape, Ok[int] | Err]:
+def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: AttrValue) -> tuple[Tape, Ok[int] | Err]:
     """Apply registered op ``op`` to the nodes ``inputs``; returns ``(tape, Ok(id) | Err(msg))``.
 
     On success the tape is a new tape with one more node. On any failure
@@ -319,7 +319,7 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
                 entry = None
     if entry is None or entry.dtype is R.OBJECT:
         checked = _check(tape, op, inputs, attrs)
-        if type(checked) is Err:
+        if isinstance(checked, Err):
             return tape, checked
         ids, ins, entry = checked
     else:
@@ -327,7 +327,9 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: Any) -> tuple[Ta
     return append_op(tape, op, entry, ids, ins)
 
 
-def append_op(tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node]) -> tuple[Tape, Ok[int] | Err]:
+def append_op(
+    tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node]
+) -> tuple[Tape, Ok[int] | Err]:
     """Run a checked kernel on the nodes ``ins`` (ids ``ids``) and append its output node.
 
     ``entry`` comes from :func:`check_op` for exactly these operand specs. Only a
@@ -361,7 +363,9 @@ def append_op(tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins:
     return tape._append(node), (_OKS[n] if n < _N_OKS else Ok(n))
 
 
-def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tuple[tuple[int, ...], list[Node], R.FwdEntry]:
+def _check(
+    tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]
+) -> Err | tuple[tuple[int, ...], list[Node], R.FwdEntry]:
     """Every check of ``record``, with a readable error for each failure."""
     d = R.REGISTRY.get(op) if isinstance(op, str) else None
     if d is None:
@@ -384,7 +388,7 @@ def _check(tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]) -> Err | tup
     ids = tuple(int(i) for i in ids)
     ins = [nodes[i] for i in ids]
     entry = check_op(op, attrs, tuple([nd.spec for nd in ins]))
-    if type(entry) is str:
+    if isinstance(entry, str):
         return Err(entry)
     return ids, ins, entry
 
@@ -393,7 +397,7 @@ def _unknown_op(op: object, operands_note: str) -> str:
     return f"unknown op {op!r}{operands_note}; registered ops: {', '.join(R.ops())}"
 
 
-def check_op(op: str, attrs: dict[str, Any], specs: tuple[R.Spec, ...]) -> R.FwdEntry | str:
+def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) -> R.FwdEntry | str:
     """The one check of an op application: name, attributes and operand specs.
 
     Returns the checked, compiled kernel entry, or the complete error message
@@ -434,7 +438,9 @@ _N_OKS = 1 << 14
 _OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shared
 
 
-def keep_tape_on_error(t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | Err | Exception) -> tuple[Tape, Ok[Any] | Err]:
+def keep_tape_on_error(
+    t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | Err | Exception
+) -> tuple[Tape, Ok[Any] | Err]:
     """Pair a constructor's result with the tape to keep afterwards.
 
     On success that is the extended tape; on failure it is ``t0``, the tape the
@@ -473,7 +479,7 @@ def add_cotangents(a: Array, b: Array) -> Array:
     return _add(a, b)
 
 
-def _zeros(nd: Node) -> Any:
+def _zeros(nd: Node) -> Array:
     if nd.dtype == R.OBJECT:
         from fractions import Fraction
 
@@ -483,7 +489,9 @@ def _zeros(nd: Node) -> Any:
     return jnp.zeros(nd.shape, nd.dtype)
 
 
-def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None = None) -> dict[int, Any]:
+def backward(
+    tape: Tape, root: int, seed: ArrayLike | None = None, wrt: Iterable[NodeId] | None = None
+) -> dict[NodeId, Array]:
     """Reverse-mode sweep from node ``root``; returns ``{node_id: cotangent}``.
 
     * ``seed`` defaults to 1 for a scalar root; a non-scalar root needs one.
@@ -540,8 +548,8 @@ def backward(tape: Tape, root: int, seed: Any = None, wrt: Iterable[int] | None 
             if not is_int(w) or not 0 <= int(w) < n:
                 raise TapeError(f"backward: wrt id {w!r} is out of range for a tape of {n} node(s)")
             want.add(int(w))
-    result: dict[int, Any] = {}
-    cot: dict[int, Any] = {root: seed} if rnode.requires_grad or (want and root in want) else {}
+    result: dict[NodeId, Array] = {}
+    cot: dict[NodeId, Array] = {root: seed} if rnode.requires_grad or (want and root in want) else {}
     for i in range(root, -1, -1):
         if not cot:
             break

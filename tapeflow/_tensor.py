@@ -9,8 +9,10 @@
 * Which session records an op: the session of the first Tensor operand; else
   the innermost ``with Session()`` block (:func:`current_session`); else the
   session that recorded last **in this thread or task**
-  (:func:`last_recorded_session`). Both are :mod:`contextvars` variables, so
-  threads and asyncio tasks never see each other's sessions.
+  (:func:`last_recorded_session`). Both are :mod:`contextvars` variables:
+  every new thread starts with neither, so one thread never records on another
+  thread's session by accident (an asyncio task starts from a copy of the
+  context that created it).
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> with tfl.Session() as s:
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -105,10 +108,6 @@ def pop_current(token: contextvars.Token[Session | None]) -> None:
 
 
 # --------------------------------------------------------------------------- the operator set
-
-
-def _axis(axis: Any) -> Any:
-    return tuple(axis) if isinstance(axis, list) else axis
 
 
 def _varargs(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -196,18 +195,25 @@ class TensorOps:
 
         return apply("index", self, index=normalize_index(idx))
 
+    def __iter__(self) -> Iterator[Tensor]:
+        """Iterate over the first axis: ``x[0], x[1], ...``, each recorded as it is reached."""
+        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
+        if not shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(shape[0]))
+
     @property
     def T(self) -> Tensor:
         return apply("transpose", self)
 
     def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return apply("sum", self, axis=_axis(axis), keepdims=keepdims)
+        return apply("sum", self, axis=axis, keepdims=keepdims)
 
     def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return apply("mean", self, axis=_axis(axis), keepdims=keepdims)
+        return apply("mean", self, axis=axis, keepdims=keepdims)
 
     def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
-        return apply("max", self, axis=_axis(axis), keepdims=keepdims)
+        return apply("max", self, axis=axis, keepdims=keepdims)
 
     def reshape(self, *shape: Any) -> Tensor:
         return apply("reshape", self, shape=_varargs(shape))
@@ -239,7 +245,7 @@ class Tensor(TensorOps):
     ((2,), 6.0)
     """
 
-    __slots__ = ("_session", "_owner", "_generation", "id", "shape", "dtype", "__weakref__")
+    __slots__ = ("__weakref__", "_generation", "_owner", "_session", "dtype", "id", "shape")
     __hash__ = object.__hash__
 
     def __init__(
@@ -415,4 +421,3 @@ def apply(opname: str, *operands: Operand, **attrs: Any) -> Tensor:
     [2.0, 2.0]
     """
     return session_of(operands, opname).apply(opname, *operands, **attrs)
-

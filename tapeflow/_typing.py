@@ -61,4 +61,3 @@ OptState: TypeAlias = Any
 
 PRNGKey: TypeAlias = Any
 """A ``jax.random`` key array."""
-

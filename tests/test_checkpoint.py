@@ -197,7 +197,7 @@ class TestRoundTrip:
         path, _ = saved
         regs, opt, sess = make_model(12, session_seed=5)
         sess._rng_counter = 3
-        with pytest.raises(CheckpointError, match="already exists.*overwrite=True"):
+        with pytest.raises(CheckpointError, match=r"already exists.*overwrite=True"):
             tfl.save(path, regs, opt, sess)
         tfl.save(path, regs, opt, sess, overwrite=True)
         regs2, opt2, sess2 = make_model(11)
@@ -290,7 +290,9 @@ class TestRejections:
         p2, q2 = tfl.Param(c, name="p"), tfl.Param(d, name="q")
         regs2 = [p2, q2, tfl.tie(q2, name="t")]
         opt2 = tfl.Optimizer(optax.adam(1e-2), regs2)
-        err = _check_rejected(tmp_path / "c", regs2, opt2, tfl.Session(seed=3), r"alias layout differs at registration 2 \('t'\)")
+        err = _check_rejected(
+            tmp_path / "c", regs2, opt2, tfl.Session(seed=3), r"alias layout differs at registration 2 \('t'\)"
+        )
         assert "tied to registration 0" in str(err) and "tied to registration 1" in str(err)
         # params only: still rejected
         _check_rejected(tmp_path / "c", regs2, None, None, "alias layout differs at registration 2")
@@ -314,14 +316,20 @@ class TestRejections:
     def test_dtype_mismatch(self, saved):
         path, _ = saved
         regs, opt, sess = make_model(2, dtype=np.float64)
-        _check_rejected(path, regs, opt, sess, r"dtype differs at registration 0 \('emb'\): checkpoint float32, destination float64")
+        _check_rejected(
+            path, regs, opt, sess, r"dtype differs at registration 0 \('emb'\): checkpoint float32, destination float64"
+        )
 
     def test_optimizer_structure(self, saved):
         path, _ = saved
         regs, opt, sess = make_model(3, tx=optax.sgd(0.1, momentum=0.9))
-        _check_rejected(path, regs, opt, sess, r"optimizer state structure differs .* at state leaf 0: checkpoint has \[0\]\.count")
+        _check_rejected(
+            path, regs, opt, sess, r"optimizer state structure differs .* at state leaf 0: checkpoint has \[0\]\.count"
+        )
         regs, opt, sess = make_model(3, tx=optax.sgd(0.1))
-        _check_rejected(path, regs, opt, sess, "optimizer state structure differs .* 5 state leaves, the destination has 0")
+        _check_rejected(
+            path, regs, opt, sess, "optimizer state structure differs .* 5 state leaves, the destination has 0"
+        )
         # same leaf paths, different state classes: caught by the treedef
         regs, opt, sess = make_model(3, tx=optax.adamw(1e-2))
         _check_rejected(path, regs, opt, sess, "optimizer state structure differs .*state treedef")
@@ -338,7 +346,13 @@ class TestRejections:
         path, _ = saved
         regs, opt, sess = make_model(3)
         opt.state = jax.tree_util.tree_map(lambda x: x.astype(np.float64) if x.dtype == np.float32 else x, opt.state)
-        _check_rejected(path, regs, opt, sess, r"structure differs .* at state leaf 1: checkpoint has \[0\]\.mu\[0\] float32\[5,3\], destination has \[0\]\.mu\[0\] float64")
+        _check_rejected(
+            path,
+            regs,
+            opt,
+            sess,
+            r"structure differs .* at state leaf 1: checkpoint has \[0\]\.mu\[0\] float32\[5,3\], destination has \[0\]\.mu\[0\] float64",
+        )
 
     def test_missing_path(self, tmp_path):
         regs, opt, sess = make_model(0)
@@ -361,7 +375,9 @@ class TestRejections:
     )
     def test_corrupted_metadata_json(self, saved, text, match):
         path, _ = saved
-        meta_files = [os.path.join(r, f) for r, _, fs in os.walk(path / "meta") for f in fs if not f.startswith("commit")]
+        meta_files = [
+            os.path.join(r, f) for r, _, fs in os.walk(path / "meta") for f in fs if not f.startswith("commit")
+        ]
         assert meta_files, os.listdir(path / "meta")
         for f in meta_files:
             with open(f, "w") as fh:
@@ -484,7 +500,10 @@ class TestMetadata:
         "edit, match",
         [
             # wrong types
-            (_set("registrations", 0, "shape", "5,3"), r"field 'registrations\[0\]\.shape' is '5,3' \(str\), expected a list"),
+            (
+                _set("registrations", 0, "shape", "5,3"),
+                r"field 'registrations\[0\]\.shape' is '5,3' \(str\), expected a list",
+            ),
             (_set("registrations", 1, "shape", [3.0]), r"field 'registrations\[1\]\.shape\[0\]' is 3\.0 \(float\)"),
             (_set("registrations", 2, "name", 7), r"field 'registrations\[2\]\.name' is 7 \(int\)"),
             (_set("keyed", "yes"), r"field 'keyed' is 'yes' \(str\), expected a flag"),
@@ -508,15 +527,27 @@ class TestMetadata:
             (_drop("session", "rng_counter"), "has no 'session.rng_counter' integer"),
             (_drop("optimizer"), "has no 'optimizer' entry"),
             # out-of-range integers
-            (_set("session", "rng_counter", -1), r"field 'session\.rng_counter' is -1 \(int\), expected an int in \[0, 2\*\*63\)"),
+            (
+                _set("session", "rng_counter", -1),
+                r"field 'session\.rng_counter' is -1 \(int\), expected an int in \[0, 2\*\*63\)",
+            ),
             (_set("session", "rng_counter", 2**80), rf"field 'session\.rng_counter' is {2**80} \(int\)"),
             (_set("session", "rng_counter", 2**63), rf"field 'session\.rng_counter' is {2**63} \(int\)"),
-            (_set("session", "seed", 2**64), r"field 'session\.seed' is \d+ \(int\), expected an int in \[-2\*\*63, 2\*\*63\)"),
+            (
+                _set("session", "seed", 2**64),
+                r"field 'session\.seed' is \d+ \(int\), expected an int in \[-2\*\*63, 2\*\*63\)",
+            ),
             (_set("session", "seed", -(2**63) - 1), r"field 'session\.seed' is -\d+ \(int\)"),
             (_set("registrations", 0, "shape", [5, -3]), r"field 'registrations\[0\]\.shape\[1\]' is -3"),
-            (_set("storages", 1, "registration", 3), r"field 'storages' does not match its alias layout: it stores registrations \[0, 3\]"),
+            (
+                _set("storages", 1, "registration", 3),
+                r"field 'storages' does not match its alias layout: it stores registrations \[0, 3\]",
+            ),
             # bad dtype strings
-            (_set("registrations", 0, "dtype", "float33"), r"field 'registrations\[0\]\.dtype' is 'float33' \(str\), expected the name of a numeric NumPy dtype"),
+            (
+                _set("registrations", 0, "dtype", "float33"),
+                r"field 'registrations\[0\]\.dtype' is 'float33' \(str\), expected the name of a numeric NumPy dtype",
+            ),
             (_set("registrations", 0, "dtype", "object"), r"field 'registrations\[0\]\.dtype' is 'object'"),
             (_set("optimizer", "leaves", 1, "dtype", "i4,("), r"field 'optimizer\.leaves\[1\]\.dtype' is 'i4,\('"),
             (_set("optimizer", "leaves", 1, "dtype", 4), r"field 'optimizer\.leaves\[1\]\.dtype' is 4 \(int\)"),
@@ -525,7 +556,10 @@ class TestMetadata:
             (_set("alias_layout", [1, 1, 0]), r"field 'alias_layout' is \[1, 1, 0\], not an alias layout"),
             (_set("alias_layout", [0, 1, 2]), r"field 'storages' does not match its alias layout"),
             (_set("optimizer", "slot_registrations", [0, 7]), r"field 'optimizer\.slot_registrations' is \[0, 7\]"),
-            (_set("optimizer", "alias_layout", [0, 0, 0]), r"field 'optimizer\.slot_registrations' is \[0, 1\], expected 1 "),
+            (
+                _set("optimizer", "alias_layout", [0, 0, 0]),
+                r"field 'optimizer\.slot_registrations' is \[0, 1\], expected 1 ",
+            ),
             (_set("optimizer", "alias_layout", [0, 1, 0, 5]), r"field 'optimizer\.alias_layout' is \[0, 1, 0, 5\]"),
         ],
     )
@@ -543,7 +577,10 @@ class TestMetadata:
 
     @pytest.mark.parametrize("raw", [[1, 2, 3], "meta", 42, None, True])
     def test_non_object_json(self, raw):
-        with pytest.raises(CheckpointError, match=rf"checkpoint at /c is corrupted .* metadata is a {type(raw).__name__}, not an object"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"checkpoint at /c is corrupted .* metadata is a {type(raw).__name__}, not an object",
+        ):
             CheckpointMeta.from_json("/c", raw)
 
     def test_round_trip(self, saved):
@@ -565,7 +602,9 @@ class TestMetadata:
             alias_layout=(0, 0),
             keyed=True,
             storages=(StorageEntry("param_0", 0, "00ff"),),
-            optimizer=OptimizerEntry("PyTreeDef(*)", (LeafEntry("opt_0", "", (2, 0), np.dtype(np.int8), "ab"),), (0, 0), (0,)),
+            optimizer=OptimizerEntry(
+                "PyTreeDef(*)", (LeafEntry("opt_0", "", (2, 0), np.dtype(np.int8), "ab"),), (0, 0), (0,)
+            ),
             session=SessionEntry(seed=-(2**63), rng_counter=2**63 - 1),  # the extremes of the valid ranges
             jax_version="0.0.0",
         )
@@ -580,10 +619,15 @@ class TestMetadata:
     def test_legacy_key_order_reads(self):
         """The JSON the earlier dict-based save wrote (same keys, another order) still reads."""
         raw = {
-            "format": "tapeflow.checkpoint", "version": 1, "jax_version": jax.__version__, "keyed": False,
-            "registrations": [{"name": "w", "shape": [2], "dtype": "float32"}], "alias_layout": [0],
+            "format": "tapeflow.checkpoint",
+            "version": 1,
+            "jax_version": jax.__version__,
+            "keyed": False,
+            "registrations": [{"name": "w", "shape": [2], "dtype": "float32"}],
+            "alias_layout": [0],
             "storages": [{"key": "param_0", "registration": 0, "digest": "d"}],
-            "optimizer": None, "session": {"seed": 1, "rng_counter": 0},
+            "optimizer": None,
+            "session": {"seed": 1, "rng_counter": 0},
         }
         meta = CheckpointMeta.from_json("x", raw)
         assert meta.to_json() == raw  # dict equality ignores key order
@@ -597,7 +641,7 @@ class TestMetadata:
 
         def walk(x, at):
             spots.append(at)
-            for k, v in (x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()):
+            for k, v in x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ():
                 walk(v, (*at, k))
 
         walk(base, ())

@@ -102,8 +102,19 @@ def test_public_names_have_docstrings_with_examples() -> None:
         if (inspect.isclass(obj) or inspect.isfunction(obj)) and not (obj.__doc__ or "").strip():
             missing.append(name)
     assert not missing, f"public names without a docstring: {missing}"
-    for name in ("Tape", "leaf", "record", "backward", "Session", "Param", "tie", "canonical_indices",
-                 "Optimizer", "value_and_grad", "train_step"):
+    for name in (
+        "Tape",
+        "leaf",
+        "record",
+        "backward",
+        "Session",
+        "Param",
+        "tie",
+        "canonical_indices",
+        "Optimizer",
+        "value_and_grad",
+        "train_step",
+    ):
         assert ">>>" in (getattr(tfl, name).__doc__ or ""), f"{name} has no runnable example"
 
 
@@ -139,6 +150,9 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
     proc = subprocess.run(
         [exe, "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -133,7 +133,7 @@ def _python3_kernel(tmp_dir: Path) -> tuple[str, dict[str, str]]:
 
     try:
         argv0 = KernelSpecManager().get_kernel_spec("python3").argv[0]
-        ours = argv0 in {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]} or (
+        ours = argv0 in {"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info[:2])} or (
             os.path.exists(argv0) and os.path.samefile(argv0, sys.executable)
         )
     except NoSuchKernel:

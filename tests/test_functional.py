@@ -27,6 +27,23 @@ F32 = np.float32
 TOL = 1e-5  # the spec's bound for eager vs compiled float32 training
 
 
+def _simulated_devices_env(n: int) -> dict[str, str]:
+    """The environment of a subprocess that sees ``n`` simulated CPU devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _run_on_devices(script: str, n: int) -> dict:
+    """Run ``script`` in a subprocess with ``n`` simulated devices; its last stdout line is JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=_simulated_devices_env(n), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _np(shape, seed, scale=0.3):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(F32)
 
@@ -34,7 +51,10 @@ def _np(shape, seed, scale=0.3):
 def max_abs_diff(a, b) -> float:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
-    return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) if np.size(x) else 0.0) for x, y in zip(la, lb))
+    return max(
+        (float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) if np.size(x) else 0.0)
+        for x, y in zip(la, lb)
+    )
 
 
 def values_of(params) -> dict:
@@ -67,7 +87,10 @@ def make_mlp(seed=0, sizes=(12, 32, 32, 5)):
 
     def batch(k, size=16):
         r = np.random.default_rng(1000 + k)
-        return (jnp.asarray(r.standard_normal((size, sizes[0])), jnp.float32), jnp.asarray(r.integers(0, sizes[-1], size), jnp.int32))
+        return (
+            jnp.asarray(r.standard_normal((size, sizes[0])), jnp.float32),
+            jnp.asarray(r.integers(0, sizes[-1], size), jnp.int32),
+        )
 
     return params, loss_fn, batch
 
@@ -182,7 +205,9 @@ class TestTrainStepEqualsEager:
         loss = step(x, y)
         assert abs(float(loss) - float(loss_ref)) <= TOL
         for k in params:
-            np.testing.assert_allclose(np.asarray(params[k].value), before[k] - 0.1 * np.asarray(g[k]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(params[k].value), before[k] - 0.1 * np.asarray(g[k]), rtol=1e-5, atol=1e-6
+            )
         # eager code sees the new values
         with tfl.Session() as s:
             assert abs(float(loss_fn(s, x, y)) - float(step(x, y))) <= TOL
@@ -262,7 +287,10 @@ class TestValueAndGrad:
 
     def test_params_pytree_structure_is_kept(self):
         params, loss_fn, batch = make_mlp()
-        tree = {"layers": [(params["w0"], params["b0"]), (params["w1"], params["b1"])], "head": {"w": params["w2"], "b": params["b2"]}}
+        tree = {
+            "layers": [(params["w0"], params["b0"]), (params["w1"], params["b1"])],
+            "head": {"w": params["w2"], "b": params["b2"]},
+        }
         loss, g = jax.jit(tfl.value_and_grad(loss_fn))(tree, *batch(0))
         assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(tfl.param_values(tree))
         loss2, g2 = jax.jit(tfl.value_and_grad(loss_fn))(params, *batch(0))
@@ -474,7 +502,9 @@ class TestTrainStepGuards:
 
         tx = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
         step = tfl.train_step(lambda s: tfl.sum(w * w), tfl.Optimizer(tx, {"w": w}))
-        with pytest.raises(TapeError, match=r"turns Param\('w', float32\[3\].*into float32\[1,3\]; a parameter keeps its shape"):
+        with pytest.raises(
+            TapeError, match=r"turns Param\('w', float32\[3\].*into float32\[1,3\]; a parameter keeps its shape"
+        ):
             step()
         assert w.value.tolist() == [1.0, 1.0, 1.0]
 
@@ -653,12 +683,7 @@ _SHARDED_SCRIPT = textwrap.dedent(
 
 
 def test_data_parallel_and_sharded_params_on_8_simulated_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_on_devices(_SHARDED_SCRIPT, 8)
     assert out["vg_diff"] <= TOL, out
     assert out["dp_loss"] <= TOL and out["dp_vals"] <= TOL, out
     assert out["sh_loss"] <= TOL and out["sh_vals"] <= TOL, out
@@ -718,12 +743,16 @@ def test_multi_process_cluster_equals_single_device():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
+    env = _simulated_devices_env(4)
     here = os.path.dirname(os.path.abspath(__file__))
     procs = [
-        subprocess.Popen([sys.executable, "-c", _MULTIPROCESS_SCRIPT, str(i), str(port), here], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _MULTIPROCESS_SCRIPT, str(i), str(port), here],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(2)
     ]
     outs = []
@@ -737,7 +766,9 @@ def test_multi_process_cluster_equals_single_device():
             if p.poll() is None:
                 p.kill()
     params, loss_fn, _ = make_mlp(seed=11)
-    ref_losses, _, _ = compiled_train(params, loss_fn, optax.adam(1e-2), [tuple(map(jnp.asarray, b)) for b in mp_batches()])
+    ref_losses, _, _ = compiled_train(
+        params, loss_fn, optax.adam(1e-2), [tuple(map(jnp.asarray, b)) for b in mp_batches()]
+    )
     for out in outs:
         assert out["n_proc"] == 2 and out["n_dev"] == 8 and out["traces"] == 1
         assert max_abs_diff(out["losses"], ref_losses) <= TOL
@@ -831,12 +862,7 @@ _STORAGE_FAST_PATH_SCRIPT = textwrap.dedent(
 
 
 def test_storage_fast_path_in_every_cell_state_on_two_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _STORAGE_FAST_PATH_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_on_devices(_STORAGE_FAST_PATH_SCRIPT, 2)
     assert out["flags"] == [True, True, False], out
     assert out["read_is_read_none"] == out["current_cell"] == out["write_equals_checked_write"] == [True] * 3, out
     assert out["no_sync"], out
@@ -856,7 +882,13 @@ class TestTrainStepSeams:
         opt = tfl.Optimizer(optax.sgd(0.1), [w])
         step = tfl.train_step(lambda s, x: w * x, opt, donate=False, seed=3, has_aux=False, static_argnames="mode")
         assert isinstance(step, tfl.TrainStep)
-        assert (step.donate, step.seed, step.static_argnames, step.mesh, step.data_axis) == (False, 3, ("mode",), None, "data")
+        assert (step.donate, step.seed, step.static_argnames, step.mesh, step.data_axis) == (
+            False,
+            3,
+            ("mode",),
+            None,
+            "data",
+        )
         with pytest.raises(TypeError):
             tfl.train_step(lambda s, x: w * x, opt, donat=False)
         assert ">>>" in tfl.train_step.__doc__
@@ -866,7 +898,10 @@ class TestTrainStepSeams:
 
         def calls_per_step(n):
             ws = [tfl.Param(np.full(2, 0.5, F32), name=f"w{i}") for i in range(n)]
-            step = tfl.train_step(lambda s, x: sum((tfl.sum(w * x) for w in ws[1:]), start=tfl.sum(ws[0] * x)), tfl.Optimizer(optax.adam(1e-3), ws))
+            step = tfl.train_step(
+                lambda s, x: sum((tfl.sum(w * x) for w in ws[1:]), start=tfl.sum(ws[0] * x)),
+                tfl.Optimizer(optax.adam(1e-3), ws),
+            )
             x = jnp.ones(2, jnp.float32)
             jax.block_until_ready(step(x))
             count = [0]
@@ -946,12 +981,7 @@ _SLOT_PLACEMENT_SCRIPT = textwrap.dedent(
 
 
 def test_optimizer_slots_follow_their_parameter_sharding_for_composite_optax_states():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", _SLOT_PLACEMENT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_on_devices(_SLOT_PLACEMENT_SCRIPT, 8)
     for name, got in out.items():
         assert got["diff"] <= TOL and got["traces"] == 1, (name, got)
         specs = got["specs"]

@@ -11,13 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import _arr, close
 
 import tapeflow as tfl
 from tapeflow import TapeError
 from tapeflow._grads import sum_in_leaf_order
-
-from _helpers import _arr, close
-
 
 # =========================================================================== gradients
 
@@ -293,3 +291,17 @@ class TestGradsLookup:
         g.consume([g.groups[0]])  # consuming after release is a no-op
         g.release()
         assert not p.value.is_deleted() and not q.value.is_deleted() and not x.value.is_deleted()
+
+
+def test_reading_a_consumed_gradient_says_it_was_consumed():
+    import optax
+
+    w = tfl.Param(jnp.ones(2))
+    v = tfl.Param(jnp.ones(2))
+    opt = tfl.Optimizer(optax.sgd(0.1), [w])
+    with tfl.Session() as s:
+        g = s.backward((w * v).sum())
+        opt.step(g)  # consumes w's group only; v's gradient stays readable
+        with pytest.raises(KeyError, match="consumed"):
+            g[w]
+        assert g[v].shape == (2,)

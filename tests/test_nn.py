@@ -30,10 +30,20 @@ def test_shared_linear_in_sequential_listed_once():
     model = nn.Sequential(lin, tfl.relu, lin, head)
 
     assert [id(p) for p in model.parameters()] == [id(lin.weight), id(lin.bias), id(head.weight), id(head.bias)]
-    assert [n for n, _ in model.named_parameters()] == ["layers.0.weight", "layers.0.bias", "layers.3.weight", "layers.3.bias"]
+    assert [n for n, _ in model.named_parameters()] == [
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.3.weight",
+        "layers.3.bias",
+    ]
     recs = model.parameter_records()
     assert [n for n, _ in recs] == [
-        "layers.0.weight", "layers.0.bias", "layers.2.weight", "layers.2.bias", "layers.3.weight", "layers.3.bias",
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+        "layers.3.weight",
+        "layers.3.bias",
     ]
     assert recs[2][1] is lin.weight and recs[3][1] is lin.bias
     assert list(model.param_dict()) == [n for n, _ in model.named_parameters()]
@@ -92,7 +102,13 @@ class _Containers(nn.Module):
 def test_containers_definition_order_and_repr():
     m = _Containers(None)
     assert [n for n, _ in m.named_parameters()] == [
-        "first", "blocks.a.weight", "blocks.a.bias", "blocks.b.0.weight", "pair.0.weight", "pair.0.bias", "pair.1",
+        "first",
+        "blocks.a.weight",
+        "blocks.a.bias",
+        "blocks.b.0.weight",
+        "pair.0.weight",
+        "pair.0.bias",
+        "pair.1",
     ]
     assert [n for n, _ in m.parameter_records()][-1] == "alias"
     assert [n for n, _ in m.named_modules()] == ["", "blocks.a", "blocks.b.0", "pair.0"]
@@ -129,7 +145,9 @@ def _check_layer(module, ref, *inputs, rtol=1e-10, atol=1e-10, jit=False):
         np.testing.assert_allclose(np.asarray(y.value), np.asarray(y_ref), rtol=rtol, atol=atol)
         grads = s.backward(tfl.sum(y * c))
         for name, p in pd.items():
-            np.testing.assert_allclose(np.asarray(grads[p]), np.asarray(g_ref[name]), rtol=rtol, atol=atol, err_msg=name)
+            np.testing.assert_allclose(
+                np.asarray(grads[p]), np.asarray(g_ref[name]), rtol=rtol, atol=atol, err_msg=name
+            )
 
     f = tfl.value_and_grad(lambda s, *xs: tfl.sum(module(*xs) * c))
     if jit:
@@ -382,7 +400,7 @@ class _TinyLM(nn.Module):
 def _lm_ref(v, w_out, ids, targets):
     """The same model as a pure function, with the output weight as a separate argument."""
     h = v["embed.weight"][ids]
-    attn_v = {k[len("attn."):]: a for k, a in v.items() if k.startswith("attn.")}
+    attn_v = {k[len("attn.") :]: a for k, a in v.items() if k.startswith("attn.")}
     h = h + _mha_ref(attn_v, h, heads=H, causal=True)
     mu = h.mean(-1, keepdims=True)
     var = ((h - mu) ** 2).mean(-1, keepdims=True)
@@ -419,13 +437,19 @@ def test_tied_lm_gradient_is_sum_of_both_uses():
     assert not np.allclose(np.asarray(g["embed.weight"]), np.asarray(g_in))
     for name in g_ref:
         if name != "embed.weight":
-            np.testing.assert_allclose(np.asarray(g[name]), np.asarray(g_ref[name]), rtol=1e-8, atol=1e-10, err_msg=name)
+            np.testing.assert_allclose(
+                np.asarray(g[name]), np.asarray(g_ref[name]), rtol=1e-8, atol=1e-10, err_msg=name
+            )
 
     # eager: the tied record and the embedding record form one parameter group
     with tfl.Session() as s:
         grads = s.backward(_lm_loss(model)(s, s.input(ids), s.input(targets)))
-        np.testing.assert_allclose(np.asarray(grads[model.head.weight]), np.asarray(g_in + g_out), rtol=1e-8, atol=1e-10)
-        np.testing.assert_allclose(np.asarray(grads[model.embed.weight]), np.asarray(g_in + g_out), rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(
+            np.asarray(grads[model.head.weight]), np.asarray(g_in + g_out), rtol=1e-8, atol=1e-10
+        )
+        np.testing.assert_allclose(
+            np.asarray(grads[model.embed.weight]), np.asarray(g_in + g_out), rtol=1e-8, atol=1e-10
+        )
 
 
 def test_tied_lm_trains_with_train_step():

@@ -312,7 +312,9 @@ def test_multi_transform_labels_per_parameter():
     W = tfl.Param(W0.copy(), name="W")
     c = tfl.Param(c0.copy(), name="c")
     Wt = tfl.tie(W, name="W_tied")
-    tx = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, {"W": "train", "c": "frozen"})
+    tx = optax.multi_transform(
+        {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, {"W": "train", "c": "frozen"}
+    )
     opt = tfl.Optimizer(tx, {"W": W, "c": c, "W_tied": Wt})
     for x in _batches(3):
         with tfl.Session() as s:
@@ -678,7 +680,9 @@ def test_slot_indices_mark_per_parameter_parts_only():
         "adamw": optax.adamw(1e-2, weight_decay=0.1),
         "masked": optax.masked(optax.adam(1e-2), {"W": True, "c": False, "V": True}),
         "inject": optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-        "multi": optax.multi_transform({"x": optax.adam(1e-2), "y": optax.sgd(0.1, momentum=0.9)}, {"W": "x", "c": "y", "V": "x"}),
+        "multi": optax.multi_transform(
+            {"x": optax.adam(1e-2), "y": optax.sgd(0.1, momentum=0.9)}, {"W": "x", "c": "y", "V": "x"}
+        ),
     }
     for name, tx in cases.items():
         opt = tfl.Optimizer(tx, params)
@@ -696,7 +700,11 @@ def test_slot_indices_mark_per_parameter_parts_only():
         if name == "masked":
             assert adam.mu == {"W": 0, "c": 1, "V": 2}  # c's MaskedNode is c's part too
         elif name == "multi":
-            assert adam.mu == {"W": 0, "c": 1, "V": 2} and idx.inner_states["y"].inner_state[0].trace == {"W": 0, "c": 1, "V": 2}
+            assert adam.mu == {"W": 0, "c": 1, "V": 2} and idx.inner_states["y"].inner_state[0].trace == {
+                "W": 0,
+                "c": 1,
+                "V": 2,
+            }
         else:
             assert adam.mu == {"W": 0, "c": 1, "V": 2} and adam.nu == {"W": 0, "c": 1, "V": 2}
         if name == "inject":  # 5 hyperparameters in a dict: not per-parameter (whatever their count)
@@ -730,7 +738,9 @@ def test_multi_transform_per_label_dict_state_with_unused_param():
     a = tfl.Param(jnp.ones(2, F32), name="a")
     b = tfl.Param(jnp.full(3, 2.0, F32), name="b")
     c = tfl.Param(jnp.full(2, 3.0, F32), name="c")
-    tx = optax.multi_transform({"x": optax.adam(0.1), "y": optax.sgd(0.1, momentum=0.9)}, {"a": "x", "b": "x", "c": "y"})
+    tx = optax.multi_transform(
+        {"x": optax.adam(0.1), "y": optax.sgd(0.1, momentum=0.9)}, {"a": "x", "b": "x", "c": "y"}
+    )
     opt = tfl.Optimizer(tx, {"a": a, "b": b, "c": c})
     assert set(opt.state.inner_states) == {"x", "y"}  # one inner state per label, not per parameter
     with tfl.Session() as s:
@@ -769,7 +779,9 @@ def test_state_tree_map_params_cannot_map_warns_and_still_trains():
     # optax's placeholder: nothing is then known to be per-parameter (the optimizer still works)
     a = tfl.Param(jnp.ones(2, F32), name="a")
     b = tfl.Param(jnp.ones(3, F32), name="b")
-    tx = optax.multi_transform({"x": optax.adam(0.1), "y": optax.sgd(0.1)}, lambda p: {k: ("x" if k == "a" else "y") for k in p})
+    tx = optax.multi_transform(
+        {"x": optax.adam(0.1), "y": optax.sgd(0.1)}, lambda p: {k: ("x" if k == "a" else "y") for k in p}
+    )
     opt = tfl.Optimizer(tx, {"a": a, "b": b})
     with pytest.warns(UserWarning, match="tree_map_params"):
         assert opt.slot_indices() == -1
@@ -828,7 +840,12 @@ def test_update_is_pure_and_matches_step():
         g = s.backward(_tied_loss(s, x, W, tfl.tie(W), c))
         grads = [np.asarray(v) if v is not None else None for v in g.storage_gradients(opt.storages)]
     upd = jax.jit(opt.update, static_argnums=(3,))
-    vals, state = upd([jnp.asarray(v) for v in values0], state0, [None if v is None else jnp.asarray(v) for v in grads], (True, True, False))
+    vals, state = upd(
+        [jnp.asarray(v) for v in values0],
+        state0,
+        [None if v is None else jnp.asarray(v) for v in grads],
+        (True, True, False),
+    )
     # nothing was read or written
     assert all(np.array_equal(np.asarray(st.read_current()), v) for st, v in zip(opt.storages, values0))
     assert opt.state is state0
@@ -839,7 +856,9 @@ def test_update_is_pure_and_matches_step():
     for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(opt.state)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
     # used defaults to the gradients that are not None
-    vals2, _ = opt.update([jnp.asarray(v) for v in values0], state0, [None if v is None else jnp.asarray(v) for v in grads])
+    vals2, _ = opt.update(
+        [jnp.asarray(v) for v in values0], state0, [None if v is None else jnp.asarray(v) for v in grads]
+    )
     assert np.array_equal(np.asarray(vals2[2]), values0[2])
     with pytest.raises(ValueError, match="one per slot"):
         opt.update(values0[:2], state0, grads)

@@ -319,7 +319,9 @@ def test_backward_equals_jax_grad(prog: Any) -> None:
         g = np.asarray(got[i])
         assert g.shape == w.shape and g.dtype == np.float64
         scale = 1.0 + float(np.max(np.abs(w), initial=0.0))
-        chex.assert_trees_all_close(g, w, rtol=1e-7, atol=1e-9 * scale, strict=True, custom_message=f"leaf {i}: {instrs}")
+        chex.assert_trees_all_close(
+            g, w, rtol=1e-7, atol=1e-9 * scale, strict=True, custom_message=f"leaf {i}: {instrs}"
+        )
     # without wrt: exactly the reached leaves, same values
     plain = tfl.backward(t, root)
     assert set(plain) <= set(ids)

@@ -17,12 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import _arr, _assert_unchanged, _state, close
 
 import tapeflow as tfl
 from tapeflow import TapeError
-
-from _helpers import _arr, _assert_unchanged, _state, close
-
 
 # =========================================================================== session fields
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import _arr, close
 
 import tapeflow as tfl
 from tapeflow import TapeError
-
-from _helpers import _arr, close
-
 
 # =========================================================================== randomness
 

@@ -11,12 +11,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from _helpers import _assert_unchanged, _state
 
 import tapeflow as tfl
 from tapeflow import TapeError
-
-from _helpers import _assert_unchanged, _state
-
 
 # =========================================================================== exact rationals
 
@@ -71,23 +69,29 @@ class TestRationals:
         for name, (h, ref) in cases.items():
             assert _exact_equal(h.value, ref), name
 
-    @pytest.mark.parametrize("fn", [tfl.exp, tfl.tanh, tfl.sqrt, tfl.sigmoid, lambda h: h.max(), lambda h: tfl.softmax(h)])
+    @pytest.mark.parametrize(
+        "fn", [tfl.exp, tfl.tanh, tfl.sqrt, tfl.sigmoid, lambda h: h.max(), lambda h: tfl.softmax(h)]
+    )
     def test_inexact_ops_give_a_clear_error(self, fn):
         s = tfl.Session()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tfl.RationalFallbackWarning)
             x = s.input(_frac([Fraction(1, 2), Fraction(3, 2)]))
         before = _state(s)
-        with pytest.raises(TapeError, match="exact rational|object|rational"):
+        with pytest.raises(TapeError, match=r"exact rational|object|rational"):
             fn(x)
         _assert_unchanged(s, before)
 
     def test_two_layer_mlp_gradients_are_exact(self):
         F = Fraction
         x_v = _frac([[F(1, 2), F(-1, 3), F(2)], [F(-3, 4), F(5, 6), F(1, 7)]])  # (2, 3)
-        w1_v = _frac([[F(1, 5), F(-2, 3), F(3, 4), F(1)],
-                      [F(-1, 2), F(1, 3), F(2, 7), F(-5, 4)],
-                      [F(2, 9), F(1, 6), F(-1, 8), F(3, 5)]])  # (3, 4)
+        w1_v = _frac(
+            [
+                [F(1, 5), F(-2, 3), F(3, 4), F(1)],
+                [F(-1, 2), F(1, 3), F(2, 7), F(-5, 4)],
+                [F(2, 9), F(1, 6), F(-1, 8), F(3, 5)],
+            ]
+        )  # (3, 4)
         b1_v = _frac([F(1, 10), F(-1, 20), F(1, 3), F(-2, 5)])  # (4,)
         w2_v = _frac([[F(1, 3), F(-1, 2)], [F(2, 5), F(1, 4)], [F(-3, 7), F(2, 3)], [F(1, 6), F(-1, 9)]])  # (4, 2)
         t_v = _frac([[F(1), F(0)], [F(0), F(1)]])  # (2, 2)

@@ -14,14 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import FOREIGN_MSG, STALE_MSG, _assert_unchanged, _rng, _state, close
 
 import tapeflow as tfl
 import tapeflow._tensor
 from tapeflow import TapeError
 from tapeflow._tensor import TensorOps
-
-from _helpers import FOREIGN_MSG, STALE_MSG, _assert_unchanged, _rng, _state, close
-
 
 # =========================================================================== current session
 
@@ -98,8 +96,8 @@ class TestHandles:
         close((a * b).value, a_np * b_np)
         close((a / b).value, a_np / b_np)
         close((a @ m).value, a_np @ m_np)
-        close((b ** 2.0).value, b_np**2.0)
-        close((b ** a).value, b_np**a_np)
+        close((b**2.0).value, b_np**2.0)
+        close((b**a).value, b_np**a_np)
         close((-a).value, -a_np)
         close(abs(a).value, np.abs(a_np))
         close((2.0 + a).value, 2.0 + a_np)
@@ -283,9 +281,18 @@ class TestHandleChecks:
         s = tfl.Session()
         x = s.input(jnp.ones((2, 2)))
         s.reset()
-        for f in (lambda: x.value, lambda: np.asarray(x), lambda: float(x.sum()), lambda: x.T, lambda: x[0],
-                  lambda: x.sum(), lambda: x.requires_grad, lambda: s.detach(x), lambda: s.input(x),
-                  lambda: s.backward(x)):
+        for f in (
+            lambda: x.value,
+            lambda: np.asarray(x),
+            lambda: float(x.sum()),
+            lambda: x.T,
+            lambda: x[0],
+            lambda: x.sum(),
+            lambda: x.requires_grad,
+            lambda: s.detach(x),
+            lambda: s.input(x),
+            lambda: s.backward(x),
+        ):
             with pytest.raises(TapeError, match="stale tensor handle"):
                 f()
 
@@ -319,7 +326,7 @@ def _run_threads(*targets):
         def run():
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001 - reported in the calling thread
+            except BaseException as e:
                 errors.append(e)
 
         return run
@@ -461,3 +468,26 @@ class TestParamOperators:
             close(loss.value, f(w_np))
             g = s.backward(loss)
             close(g[w], jax.grad(f)(jnp.asarray(w_np)))
+
+
+class TestIteration:
+    def test_iterating_a_tensor_yields_rows_and_records_only_them(self):
+        with tfl.Session() as s:
+            x = s.input(jnp.arange(6.0).reshape(3, 2))
+            n0 = len(s.tape)
+            rows = list(x)
+            assert [r.shape for r in rows] == [(2,)] * 3
+            assert [r.value.tolist() for r in rows] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+            assert len(s.tape) == n0 + 3  # one index op per row, nothing past the end
+
+    def test_iterating_a_param_differentiates_each_row(self):
+        w = tfl.Param(jnp.arange(4.0).reshape(2, 2))
+        with tfl.Session() as s:
+            a, b = w
+            g = s.backward((a * 2.0).sum() + (b * 3.0).sum())
+            np.testing.assert_allclose(np.asarray(g[w]), [[2.0, 2.0], [3.0, 3.0]])
+
+    def test_iterating_a_scalar_is_a_type_error(self):
+        with tfl.Session() as s:
+            with pytest.raises(TypeError, match="0-d"):
+                iter(s.input(jnp.array(1.0)))

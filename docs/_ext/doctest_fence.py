@@ -27,7 +27,7 @@ def fence_doctests(text: str) -> str:
         indent = line[: len(line) - len(stripped)]
         block = []
         while i < len(lines) and lines[i].strip() and lines[i].startswith(indent):
-            block.append(lines[i][len(indent):])
+            block.append(lines[i][len(indent) :])
             i += 1
         out += [f"{indent}```pycon", *(f"{indent}{b}" for b in block), f"{indent}```"]
     return "\n".join(out)

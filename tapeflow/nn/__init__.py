@@ -31,14 +31,14 @@ from ._layers import (
 from ._module import Module
 
 __all__ = [
-    "Module",
-    "Linear",
-    "Embedding",
-    "TiedLinear",
-    "LayerNorm",
-    "Dropout",
+    "MLP",
     "Conv2d",
+    "Dropout",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
+    "Module",
     "MultiHeadAttention",
     "Sequential",
-    "MLP",
+    "TiedLinear",
 ]

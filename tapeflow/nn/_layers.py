@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +23,15 @@ from .._tensor import Tensor
 from ._module import Module
 
 __all__ = [
-    "Linear",
-    "Embedding",
-    "TiedLinear",
-    "LayerNorm",
-    "Dropout",
+    "MLP",
     "Conv2d",
+    "Dropout",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
     "MultiHeadAttention",
     "Sequential",
-    "MLP",
+    "TiedLinear",
 ]
 
 
@@ -58,7 +58,9 @@ class Linear(Module):
     (5, 2)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, key: Any, bias: bool = True, dtype: Any = jnp.float32) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, *, key: Any, bias: bool = True, dtype: Any = jnp.float32
+    ) -> None:
         _check_key(key, "Linear")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -155,8 +157,15 @@ class LayerNorm(Module):
     [-1.342, -0.447, 0.447, 1.342]
     """
 
-    def __init__(self, shape: int | Sequence[int], eps: float = 1e-5, *, elementwise_affine: bool = True, dtype: Any = jnp.float32) -> None:
-        self.shape = (int(shape),) if is_int(shape) else tuple(int(d) for d in shape)
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        eps: float = 1e-5,
+        *,
+        elementwise_affine: bool = True,
+        dtype: Any = jnp.float32,
+    ) -> None:
+        self.shape = (int(cast(int, shape)),) if is_int(shape) else tuple(int(d) for d in cast(Sequence[int], shape))
         self.eps = float(eps)
         if elementwise_affine:
             self.weight: Param | None = Param(jnp.ones(self.shape, dtype), name="weight")
@@ -270,7 +279,9 @@ class MultiHeadAttention(Module):
     (3, 5, 8)
     """
 
-    def __init__(self, dim: int, num_heads: int, *, key: Any, causal: bool = False, bias: bool = True, dtype: Any = jnp.float32) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, *, key: Any, causal: bool = False, bias: bool = True, dtype: Any = jnp.float32
+    ) -> None:
         _check_key(key, "MultiHeadAttention")
         if dim % num_heads:
             raise ValueError(f"MultiHeadAttention: dim={dim} is not divisible by num_heads={num_heads}")
@@ -360,7 +371,13 @@ class MLP(Module):
     """
 
     def __init__(
-        self, sizes: Sequence[int], *, key: Any, activation: Callable[[Any], Any] = F.relu, bias: bool = True, dtype: Any = jnp.float32
+        self,
+        sizes: Sequence[int],
+        *,
+        key: Any,
+        activation: Callable[[Any], Any] = F.relu,
+        bias: bool = True,
+        dtype: Any = jnp.float32,
     ) -> None:
         _check_key(key, "MLP")
         sizes = [int(s) for s in sizes]
