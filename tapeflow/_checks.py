@@ -8,6 +8,7 @@ operand specs); ``is_*`` and ``broadcasts_to`` are predicates, ``int_tuple``,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,18 @@ def is_int(v: Any) -> bool:
 def is_number(v: Any) -> bool:
     """Whether ``v`` is a real Python or NumPy number: an int as :func:`is_int` (bools are not), or a float."""
     return is_int(v) or isinstance(v, (float, np.floating))
+
+
+def is_finite_number(v: Any) -> bool:
+    """Whether ``v`` is a number as :func:`is_number` that is neither NaN nor infinite."""
+    return is_int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
+
+
+def bool_error(name: str, v: Any) -> str | None:
+    """Message if attribute ``name`` is not ``True`` or ``False`` (a NumPy bool is one; ``1`` and ``0`` are not)."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    return f"attribute {name}={v!r} must be True or False"
 
 
 def is_int_dtype(dt: np.dtype) -> bool:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checks import axes_error, broadcast, float_operands, is_number, norm_axes, same_dtype
+from ._checks import axes_error, bool_error, broadcast, float_operands, is_number, norm_axes, same_dtype
 from ._registry import REQUIRED, Axes, Spec, broadcast_shapes, op, unbroadcast, xp_of
 from ._typing import Array
 
@@ -31,8 +31,8 @@ def binary_float_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
     return float_operands(specs) or binary_check(specs)
 
 
-def _reduce_check(specs: tuple[Spec, ...], axis: Any = None, **_: Any) -> str | None:
-    return axes_error(axis, len(specs[0][0]), none_ok=True)
+def _reduce_check(specs: tuple[Spec, ...], axis: Any = None, keepdims: Any = False) -> str | None:
+    return axes_error(axis, len(specs[0][0]), none_ok=True) or bool_error("keepdims", keepdims)
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -219,6 +219,8 @@ def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str
     for name, v in (("lo", lo), ("hi", hi)):
         if v is not None and not is_number(v):
             return f"attribute {name} must be a number or None, got {v!r}"
+        if v is not None and v != v:
+            return f"attribute {name}={v!r} is NaN; give a number (an infinite bound is allowed) or None for no bound"
     if lo is not None and hi is not None and lo > hi:
         return f"lo={lo} is greater than hi={hi}"
     return None

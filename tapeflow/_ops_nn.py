@@ -18,13 +18,14 @@ import numpy as np
 
 from ._checks import (
     axes_error,
+    bool_error,
     broadcasts_to,
     checked_pair,
     float_check,
     int_pair,
+    is_finite_number,
     is_int,
     is_int_dtype,
-    is_number,
     norm_axes,
 )
 from ._registry import REQUIRED, Axes, Padding, Pair, Reduction, Spec, broadcast_shapes, op, unbroadcast
@@ -101,8 +102,8 @@ def _log_softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
 def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str | None:
     if err := float_check(specs):
         return err
-    if not isinstance(keepdims, (bool, np.bool_)):
-        return f"attribute keepdims={keepdims!r} must be True or False"
+    if err := bool_error("keepdims", keepdims):
+        return err
     return axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
@@ -139,8 +140,8 @@ def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | Non
             f"axis={axis!r} must name trailing axes of the rank-{len(shape)} input "
             f"(e.g. -1, or (-2, -1)); got normalized axes {r}"
         )
-    if not is_number(eps) or eps < 0:
-        return f"attribute eps={eps!r} must be a non-negative number"
+    if not is_finite_number(eps) or eps < 0:
+        return f"attribute eps={eps!r} must be a finite non-negative number"
     norm = shape[len(shape) - len(r) :]
     for i, name in ((1, "weight"), (2, "bias")):
         if len(specs) > i and specs[i][0] != norm:
@@ -503,11 +504,9 @@ def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | 
         target = batch + (q[-2], k[-2])
         if not broadcasts_to(ms, target):
             return f"mask has shape {ms} but must broadcast to (..., Lq, Lk) = {target}"
-    if scale is not None and not is_number(scale):
-        return f"attribute scale={scale!r} must be a number or None (= 1/sqrt(D))"
-    if not isinstance(causal, (bool, np.bool_)):
-        return f"attribute causal={causal!r} must be True or False"
-    return None
+    if scale is not None and not is_finite_number(scale):
+        return f"attribute scale={scale!r} must be a finite number or None (= 1/sqrt(D))"
+    return bool_error("causal", causal)
 
 
 def _attention_probs(q: Array, k: Array, mask: Array, scale: Any, causal: bool) -> tuple[Array, Array]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal, TypeAlias
 
@@ -56,6 +56,7 @@ __all__ = [
     "Reduction",
     "ShapeLike",
     "Spec",
+    "attr_key",
     "clear_kernel_caches",
     "kernel_cache_info",
     "normalize_attrs",
@@ -253,17 +254,23 @@ def ops() -> list[str]:
 
 
 def normalize_attrs(attrs: Mapping[str, object]) -> Attrs:
-    """The hashable cache key of an op's attributes: ``(name, value)`` pairs sorted by name.
+    """The canonical form of an op's attributes: ``(name, value)`` pairs sorted by name.
 
     Lists become tuples (recursively, as do tuples of lists), a slice becomes
     ``("slice", start, stop, step)``, a mapping becomes its sorted ``(key,
-    value)`` pairs, and a ``dtype`` attribute given as anything ``np.dtype``
+    value)`` pairs, a NumPy scalar becomes the equal Python scalar
+    (``np.int64(1) -> 1``, ``np.bool_(True) -> True``, ``np.float32(x) ->
+    float(x)``), and a ``dtype`` attribute given as anything ``np.dtype``
     accepts becomes that ``np.dtype``. Other values pass through unchanged; one
     that stays unhashable (a set, an array) makes hashing the result fail, and
-    the caller reports it.
+    the caller reports it. Values that are equal but of different Python types
+    (``True``, ``1``, ``1.0``) stay distinct: :func:`attr_key` keys caches by
+    value *and* type.
 
     >>> normalize_attrs({"axis": [0, [1]], "dtype": "float32", "index": slice(1, None)})
     (('axis', (0, (1,))), ('dtype', dtype('float32')), ('index', ('slice', 1, None, None)))
+    >>> normalize_attrs({"axis": np.int64(1), "keepdims": np.bool_(True)})
+    (('axis', 1), ('keepdims', True))
     """
     return tuple(sorted((k, _normalize_value(k, v)) for k, v in attrs.items()))
 
@@ -284,7 +291,45 @@ def _freeze_value(v: object) -> AttrValue:
         return ("slice", _freeze_value(v.start), _freeze_value(v.stop), _freeze_value(v.step))
     if isinstance(v, Mapping):
         return tuple(sorted((k, _freeze_value(x)) for k, x in v.items()))
+    if isinstance(v, (np.bool_, np.integer, np.floating)):
+        return v.item()
     return v
+
+
+def attr_key(items: Iterable[tuple[str, object]]) -> tuple[tuple[Any, ...], ...]:
+    """The kernel-cache key of attributes ``items`` (``(name, value)`` pairs): sorted by name, typed.
+
+    Each value is keyed together with its exact type, recursively through tuples,
+    so ``True``, ``1``, ``1.0`` and ``np.int64(1)`` are four different keys
+    although Python hashes them alike: whether an attribute is accepted never
+    depends on which equal value was cached first. It is the one key used by
+    ``record``'s fast path, :func:`~tapeflow._tape.check_op` and :func:`get_fwd`
+    (which keys the :func:`normalize_attrs` form, so a raw value that differs
+    from its canonical form just misses the fast path). An unhashable value
+    makes hashing the key fail.
+
+    >>> attr_key({"axis": True}.items()) == attr_key({"axis": 1}.items())
+    False
+    >>> attr_key({"keepdims": False, "axis": (0, 1)}.items())
+    (('axis', ((<class 'int'>, <class 'int'>), (0, 1))), ('keepdims', <class 'bool'>, False))
+    """
+    out: list[tuple[Any, ...]] = []
+    for k, v in items:
+        t = type(v)
+        out.append((k, t, v) if t is not tuple else (k, _typed_tuple(v)))  # type: ignore[arg-type]
+    out.sort()
+    return tuple(out)
+
+
+_NESTED = object()  # marks a typed tuple that holds tuples
+
+
+def _typed_tuple(v: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A flat tuple as ``(element types, v)``; a nested one as ``(_NESTED, typed element, ...)``."""
+    ts = tuple(map(type, v))
+    if tuple in ts:
+        return (_NESTED, *[_typed_tuple(x) if type(x) is tuple else (type(x), x) for x in v])
+    return (ts, v)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -377,16 +422,20 @@ def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str
         return f"operands rejected by the forward ({type(e).__name__}: {first})"
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
-    fn: Callable[..., Any] | None = _JIT_FWD.get((d.name, full_t))
+    jkey = (d.name, attr_key(full_t))
+    fn: Callable[..., Any] | None = _JIT_FWD.get(jkey)
     if fn is None:
-        fn = _JIT_FWD[(d.name, full_t)] = jax.jit(fwd)
+        fn = _JIT_FWD[jkey] = jax.jit(fwd)
     shape, dtype = tuple(out.shape), np.dtype(out.dtype)
     return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype))
 
 
 def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
-    """Cached :func:`build_fwd`. Errors are not cached: a rejected call leaves the caches as they were."""
-    key = (name, attrs, specs)
+    """Cached :func:`build_fwd` of normalized ``attrs``, keyed by :func:`attr_key`.
+
+    Errors are not cached: a rejected call leaves the caches as they were.
+    """
+    key = (name, attr_key(attrs) if attrs else (), specs)
     cached = _FWD_CACHE.get(key)
     if cached is not None:
         return cached
@@ -414,7 +463,7 @@ def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) 
 
 def get_vjp(name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Any]:
     """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs`` for one key."""
-    key = (name, attrs, specs, mask)
+    key = (name, attr_key(attrs) if attrs else (), specs, mask)
     fn = _VJP_CACHE.get(key)
     if fn is None:
         d = REGISTRY[name]
