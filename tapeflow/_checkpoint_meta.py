@@ -27,6 +27,7 @@ from typing import NoReturn, TypeAlias, cast, get_args, get_origin, get_type_hin
 import numpy as np
 
 from ._checks import is_int
+from ._session import RNG_COUNTER_RANGE, RNG_SEED_RANGE
 
 __all__ = [
     "FORMAT",
@@ -55,7 +56,10 @@ CheckpointError.__module__ = "tapeflow"  # its public home: tfl.CheckpointError
 # --------------------------------------------------------------------------- metadata
 
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
-_I64 = 2**63  # metadata ints lie in [0, 2**63); a seed in JAX's int64 seed range [-2**63, 2**63), which holds uint32's
+# metadata ints lie in [0, 2**63) (the session's RNG counter range); a seed in the session's seed range
+# [-2**63, 2**63): JAX's int64 seed range, which holds uint32's
+_I64 = RNG_COUNTER_RANGE[1]
+assert RNG_COUNTER_RANGE == (0, _I64) and RNG_SEED_RANGE[1] == _I64
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class OptimizerEntry:
 class SessionEntry:
     """The session's RNG state: its ``seed`` (negative ones too) and ``rng_counter`` (the number of keys drawn)."""
 
-    seed: int = field(metadata={"lo": -_I64})
+    seed: int = field(metadata={"lo": RNG_SEED_RANGE[0]})
     rng_counter: int
 
 

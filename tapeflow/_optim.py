@@ -63,8 +63,20 @@ def _records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]
     if isinstance(params, Param):
         return [params], None
     if isinstance(params, Mapping):
-        names = [str(k) for k in params]
+        first: dict[str, object] = {}
+        for k in params:
+            other = first.setdefault(str(k), k)
+            if other is not k:
+                raise TypeError(
+                    f"Optimizer: the keys {other!r} and {k!r} both name the slot {str(k)!r}; "
+                    "use keys that are distinct as strings"
+                )
+        names = list(first)
         recs = list(params.values())
+    elif params is None or not isinstance(params, Iterable):
+        raise TypeError(
+            f"Optimizer: params is {'None' if params is None else type(params).__name__}; pass a list, a dict of name -> Param, or a module"
+        )
     else:
         recs = list(cast("Iterable[Param]", params))
         names = None

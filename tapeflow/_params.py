@@ -19,19 +19,65 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._result import TapeError
 from ._tensor import TensorOps
 from ._typing import Array, ArrayLike, DTypeLike
 
-__all__ = ["Param", "Storage", "canonical_indices", "tie"]
+__all__ = ["COMPLEX_HINT", "Param", "Storage", "canonical_indices", "check_value_kind", "tie"]
+
+COMPLEX_HINT = (
+    "complex values are not supported yet: gradients of complex inputs would be wrong; "
+    "use real and imaginary parts as two real tensors"
+)
 
 _storage_ids = itertools.count()
 _storage_lock = threading.Lock()
+
+
+def check_value_kind(x: object, where: str) -> None:
+    """Refuse values tapeflow cannot differentiate: complex ones, and object arrays not of exact rationals.
+
+    An object array is the exact-rational carrier: each element must be a
+    ``fractions.Fraction`` or an int (not a bool).
+
+    >>> import numpy as np
+    >>> check_value_kind(np.array([Fraction(1, 2), 3], dtype=object), "input")
+    >>> try:
+    ...     check_value_kind(np.array(["a"], dtype=object), "input")
+    ... except TapeError as e:
+    ...     print(str(e).split(";")[0])
+    input: an exact-rational (object) array holds a str element ('a')
+    """
+    dt = getattr(x, "dtype", None)
+    if dt is None and isinstance(x, (complex, list, tuple)):
+        try:
+            dt = np.asarray(x).dtype
+        except (TypeError, ValueError):
+            return  # not an array; whoever converts it reports that
+    if dt is None:
+        return
+    if np.dtype(dt).kind == "c":
+        raise TapeError(f"{where}: {COMPLEX_HINT}")
+    if np.dtype(dt) == R.OBJECT and isinstance(x, np.ndarray):
+        for e in x.flat:
+            if isinstance(e, (bool, np.bool_)) or not isinstance(e, (Fraction, int, np.integer)):
+                raise TapeError(
+                    f"{where}: an exact-rational (object) array holds a {type(e).__name__} element ({e!r:.40}); "
+                    "use fractions.Fraction or int elements"
+                )
+
+
+def _check_trainable(trainable: object, where: str) -> bool:
+    if not isinstance(trainable, (bool, np.bool_)):
+        raise TypeError(f"{where}: trainable must be a bool, got {type(trainable).__name__} {trainable!r:.40}")
+    return bool(trainable)
 
 
 def _as_array(value: ArrayLike) -> Array:
@@ -65,6 +111,7 @@ class Storage:
 
     def __init__(self, value: ArrayLike) -> None:
         v = _as_array(value)
+        check_value_kind(v, "Param")
         self.shape: tuple[int, ...] = tuple(v.shape)
         self.dtype: np.dtype = np.dtype(v.dtype)
         self._host: Array = v
@@ -216,9 +263,10 @@ class Param(TensorOps):
     __slots__ = ("__weakref__", "_bound", "name", "storage", "trainable")
 
     def __init__(self, value: ArrayLike, name: str | None = None, trainable: bool = True) -> None:
+        trainable = _check_trainable(trainable, "Param")
         self.storage = Storage(value)
         self.name = name
-        self.trainable = bool(trainable)
+        self.trainable = trainable
         self._bound: Array | None = None
 
     @classmethod
@@ -301,7 +349,9 @@ def tie(p: Param, name: str | None = None, trainable: bool | None = None) -> Par
     if not isinstance(p, Param):
         raise TypeError(f"tie expects a Param, got {type(p).__name__}")
     return Param._from_storage(
-        p.storage, p.name if name is None else name, p.trainable if trainable is None else trainable
+        p.storage,
+        p.name if name is None else name,
+        p.trainable if trainable is None else _check_trainable(trainable, "tie"),
     )
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from . import _registry as R
 from ._device import default_device, resolve_device
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._params import Param, Storage
+from ._params import COMPLEX_HINT, Param, Storage, check_value_kind
 from ._random import draw
 from ._result import Err, TapeError
 from ._tape import Node, Tape, append_op, check_op, leaf
@@ -45,10 +45,42 @@ from ._tape import backward as _tape_backward
 from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
-__all__ = ["RationalFallbackWarning", "Session"]
+__all__ = ["RNG_COUNTER_RANGE", "RNG_SEED_RANGE", "RationalFallbackWarning", "Session"]
+
+RNG_SEED_RANGE = (-(2**63), 2**63)
+"""``[lo, hi)`` of a session seed (JAX's int64 seed range); checkpoints check restored seeds against it."""
+RNG_COUNTER_RANGE = (0, 2**63)
+"""``[lo, hi)`` of a session's RNG counter; checkpoints check restored counters against it."""
 
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
+
+
+def _rng_int(name: str, v: object, bounds: tuple[int, int]) -> int:
+    """``v`` as an RNG seed or counter in ``[lo, hi)``, else a TapeError naming ``name`` and the range."""
+    lo, hi = bounds
+    rng = f"[{'-2**63' if lo else 0}, 2**63)"
+    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {type(v).__name__} {v!r}")
+    if not lo <= int(v) < hi:
+        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {v}")
+    return int(v)
+
+
+def _check_fits_without_x64(x: object, where: str) -> None:
+    """Host integers that JAX would silently wrap to 32 bits when ``jax_enable_x64`` is off are an error."""
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on
+        return
+    a = x if isinstance(x, (np.ndarray, np.generic)) else None
+    if a is None or a.dtype.kind not in "iu" or a.dtype.itemsize <= 4 or a.size == 0:
+        return
+    info = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
+    if a.min() < info.min or a.max() > info.max:
+        raise TapeError(
+            f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
+            f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
+            'turn them on with jax.config.update("jax_enable_x64", True)'
+        )
 
 
 class RationalFallbackWarning(UserWarning):
@@ -154,13 +186,13 @@ class Session:
         >>> bool((s.normal((2,)).value == a).all())
         True
         """
-        if seed is not None:
-            self._seed = int(seed)
+        new_seed = None if seed is None else _rng_int("seed", seed, RNG_SEED_RANGE)
+        new_counter = None if counter is None else _rng_int("counter", counter, RNG_COUNTER_RANGE)
+        if new_seed is not None:
+            self._seed = new_seed
             self._base_key = None
-        if counter is not None:
-            if int(counter) < 0:
-                raise ValueError(f"rng counter must be >= 0, got {counter}")
-            self._rng_counter = int(counter)
+        if new_counter is not None:
+            self._rng_counter = new_counter
 
     @property
     def tape(self) -> Tape:
@@ -216,12 +248,14 @@ class Session:
         return self._tape[h.id]
 
     # -- leaves ----------------------------------------------------------------
-    def _prepare_value(self, x: ArrayLike) -> Array:
+    def _prepare_value(self, x: ArrayLike, where: str = "Session.input") -> Array:
         """Session policy for a value entering the tape; ``leaf`` does the placement itself."""
+        check_value_kind(x, where)
         if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
             self._warn_rational()
             return x
         if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
+            _check_fits_without_x64(x, where)
             # Uncommitted on the default device, like parameter values created with jnp:
             # kernels then see one placement for every operand and compile once.
             return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
@@ -371,6 +405,8 @@ class Session:
         return self._handle(r.value)
 
     def _constant(self, o: object, ref_dtype: np.dtype | None, opname: str) -> Array:
+        if isinstance(o, complex):
+            raise TapeError(f"{opname}: {COMPLEX_HINT}")
         if isinstance(o, (bool, int, float)):
             if ref_dtype is not None and ref_dtype == R.OBJECT:
                 from fractions import Fraction
@@ -386,17 +422,20 @@ class Session:
             key = (type(o), o, math.copysign(1.0, o), dt)
             c = self._constants.get(key)
             if c is None:
-                c = np.asarray(o, dtype=dt)
+                try:
+                    c = np.asarray(o, dtype=dt)
+                except OverflowError:
+                    raise TapeError(
+                        f"{opname}: the constant {o} does not fit the operand dtype {dt}; cast explicitly "
+                        '(e.g. x.astype("int64")) or turn on 64-bit values: jax.config.update("jax_enable_x64", True)'
+                    ) from None
                 # uncommitted on the default device, so it also mixes with sharded tracers under jit
                 c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
                 if len(self._constants) < 1024:
                     self._constants[key] = c
             return c
-        if isinstance(o, np.ndarray) and o.dtype == R.OBJECT:
-            self._warn_rational()
-            return o
         if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
-            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o)
+            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
         raise TapeError(
             f"{opname}: operand of type {type(o).__name__} is not supported; "
             "use a Tensor, a Param, a number or an array"
@@ -410,35 +449,55 @@ class Session:
             print(f"[tapeflow] {opname}: {kernel}", file=sys.stderr)
 
     # -- randomness ------------------------------------------------------------
-    def _next_key(self) -> PRNGKey:
+    def _key(self) -> PRNGKey:
+        """The key of the next draw, ``fold_in(key(seed), counter)``; does not advance the counter."""
         if self._base_key is None:
             self._base_key = jax.random.PRNGKey(self._seed)
-        k = jax.random.fold_in(self._base_key, self._rng_counter)
+        c = self._rng_counter
+        if c < 2**32:
+            return jax.random.fold_in(self._base_key, c)
+        return jax.random.fold_in(jax.random.fold_in(self._base_key, c >> 32), c & 0xFFFFFFFF)  # fold_in takes uint32
+
+    def _next_key(self) -> PRNGKey:
+        k = self._key()
         self._rng_counter += 1
         return k
 
-    def _random(self, kind: tuple[Any, ...], shape: int | tuple[int, ...], dtype: DTypeLike) -> Tensor:
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        if any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
-            raise TapeError(f"random tensor shape must be non-negative integers, got {shape}")
-        v = draw(kind, shape, np.dtype(dtype) if dtype is not None else None, self._next_key())
+    def _random(self, method: str, kind: tuple[Any, ...], shape: int | tuple[int, ...], dtype: DTypeLike) -> Tensor:
+        # every check before the draw: a rejected call advances no counter and records nothing
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list)) or any(
+            not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or d < 0 for d in shape
+        ):
+            raise TapeError(f"{method}: random tensor shape must be non-negative integers, got {shape!r}")
+        dt = None
+        if dtype is not None:
+            try:
+                dt = np.dtype(dtype)
+            except TypeError:
+                raise TapeError(f"{method}: {dtype!r} is not a dtype; use a floating dtype such as float32") from None
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise TapeError(f"{method}: dtype {dt} is not supported; use a floating dtype such as float32")
+        v = draw(kind, tuple(int(d) for d in shape), dt, self._key())
+        self._rng_counter += 1
         return self._commit_leaf(self._prepare_value(v), False)
 
     def rand_uniform(
         self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32, low: float = 0.0, high: float = 1.0
     ) -> Tensor:
         """Uniform ``[low, high)`` samples (a constant leaf); advances the RNG counter once."""
-        return self._random(("uniform", float(low), float(high)), shape, dtype)
+        return self._random("rand_uniform", ("uniform", float(low), float(high)), shape, dtype)
 
     def normal(self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32) -> Tensor:
         """Standard normal samples (a constant leaf); advances the RNG counter once."""
-        return self._random(("normal",), shape, dtype)
+        return self._random("normal", ("normal",), shape, dtype)
 
     def bernoulli_mask(self, shape: int | tuple[int, ...], keep_prob: float) -> Tensor:
         """Boolean mask, True with probability ``keep_prob``; advances the RNG counter once."""
         if not 0.0 <= float(keep_prob) <= 1.0:
             raise TapeError(f"bernoulli_mask: keep_prob must be in [0, 1], got {keep_prob}")
-        return self._random(("bernoulli", float(keep_prob)), shape, None)
+        return self._random("bernoulli_mask", ("bernoulli", float(keep_prob)), shape, None)
 
     def random_key(self) -> PRNGKey:
         """A fresh ``jax.random`` key derived from (seed, counter); advances the counter once."""
@@ -461,6 +520,8 @@ class Session:
                 "backward: this is an inference session (grad_enabled=False); it records no gradients. "
                 "Open a Session(grad_enabled=True) to train"
             )
+        if seed is not None and jnp.iscomplexobj(seed):
+            raise TapeError(f"backward: {COMPLEX_HINT}")
         # every trainable leaf gets a gradient (zeros when the loss does not reach it)
         nodes = self._tape._buf.nodes
         wrt = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
