@@ -215,7 +215,7 @@ class TrainStep:
         # the abstract signatures traced so far: one compiled program each (see cache_size)
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
-        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5,))
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6))
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
@@ -232,7 +232,8 @@ class TrainStep:
         args: tuple[PyTree, ...],
         kwargs: dict[str, PyTree],
         static_kwargs: tuple[tuple[str, Hashable], ...],
-    ) -> tuple[list[Array], OptState, Array, Array, PyTree]:
+        check_finite: bool,
+    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None]:
         self.trace_count += 1
         leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs))
         self._signatures.add((treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs))
@@ -250,7 +251,14 @@ class TrainStep:
                     f"train_step: the optimizer's update turns {opt.describe(k)} into "
                     f"{R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))}; a parameter keeps its shape and dtype"
                 )
-        return new_vals, new_state, counter + 1, s.node(loss).value, aux
+        flags, next_counter = None, counter + 1
+        if check_finite:  # as Optimizer.step: a non-finite gradient updates nothing
+            flags = jnp.stack([jnp.all(jnp.isfinite(g)) if u else jnp.array(True) for g, u in zip(grads, used)])
+            ok = jnp.all(flags)
+            new_vals = [jnp.where(ok, n, v) for n, v in zip(new_vals, values)]
+            new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+            next_counter = jnp.where(ok, next_counter, counter)
+        return new_vals, new_state, next_counter, s.node(loss).value, aux, flags
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
@@ -326,7 +334,9 @@ class TrainStep:
         if self.static_argnames and kwargs:
             static = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        new_vals, new_state, counter, loss, aux = self._compiled(values, state, self._counter, args, kwargs, static)
+        new_vals, new_state, counter, loss, aux, flags = self._compiled(
+            values, state, self._counter, args, kwargs, static, bool(opt.check_finite)
+        )
         if self.mesh is None:
             # the trace checked shape and dtype, and a one-device program leaves each value on
             # the device of the cell it read: the unchecked fast write into that cell is exact
@@ -336,6 +346,9 @@ class TrainStep:
                 st.write(v, on_device=True)
         opt.state = new_state
         self._counter = counter
+        if flags is not None and not bool(jnp.all(flags)):  # the program kept every old value
+            bad = int(np.argmin(np.asarray(flags)))
+            raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
         self.step_count += 1
         self._counter_step = self.step_count
         return (loss, aux) if self.has_aux else loss
