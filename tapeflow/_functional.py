@@ -163,6 +163,14 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
     return f
 
 
+class _Retrace(Exception):
+    """Raised inside a trace that read Params the optimizer does not own; carries them."""
+
+    def __init__(self, storages: tuple[Storage, ...]) -> None:
+        super().__init__(f"{len(storages)} storage(s) to pass as arguments")
+        self.storages = storages
+
+
 class TrainStepOptions(TypedDict, total=False):
     """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
 
@@ -216,6 +224,8 @@ class TrainStep:
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
         self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6))
+        self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
+        self._traced_extra: tuple[Storage, ...] = ()
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
@@ -233,16 +243,22 @@ class TrainStep:
         kwargs: dict[str, PyTree],
         static_kwargs: tuple[tuple[str, Hashable], ...],
         check_finite: bool,
+        extra_values: list[Array],
     ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None]:
         self.trace_count += 1
-        leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs))
-        self._signatures.add((treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
+        signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs)
         kwargs = {**kwargs, **dict(static_kwargs)}
         opt = self.optimizer
         storages = opt.storages
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = dict(zip(storages, values))
+        overrides.update(zip(self._traced_extra, extra_values))
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
+        new = tuple(st for st in s.unlisted_storages if st not in self._traced_extra)
+        if new:  # Params the optimizer does not own: trace again with them as arguments, never as constants
+            raise _Retrace(new)
+        self._signatures.add(signature)
         grads, used = _storage_grads(s, loss, storages)
         new_vals, new_state = opt.update(values, state, grads, used)
         for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
@@ -251,6 +267,7 @@ class TrainStep:
                     f"train_step: the optimizer's update turns {opt.describe(k)} into "
                     f"{R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))}; a parameter keeps its shape and dtype"
                 )
+        new_vals = [jnp.asarray(v, st.dtype) for v, st in zip(new_vals, storages)]  # never weakly typed
         flags, next_counter = None, counter + 1
         if check_finite:  # as Optimizer.step: a non-finite gradient updates nothing
             flags = jnp.stack([jnp.all(jnp.isfinite(g)) if u else jnp.array(True) for g, u in zip(grads, used)])
@@ -321,6 +338,14 @@ class TrainStep:
         committed = [v for v in values if isinstance(v, jax.Array) and getattr(v, "committed", False)]
         return jax.device_put(c, committed[0].sharding) if committed else jnp.asarray(c)
 
+    def _read_extra(self, extra: tuple[Storage, ...]) -> list[Array]:
+        """Current values of the Params read but not owned by the optimizer (replicated over a mesh)."""
+        vals = Storage.read_current_many(extra)
+        if self.mesh is not None and extra:
+            repl = NamedSharding(self._mesh(), PartitionSpec())
+            vals = [jax.device_put(v, repl) for v in vals]
+        return vals
+
     def __call__(self, *args: PyTree, **kwargs: PyTree) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
@@ -334,9 +359,19 @@ class TrainStep:
         if self.static_argnames and kwargs:
             static = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        new_vals, new_state, counter, loss, aux, flags = self._compiled(
-            values, state, self._counter, args, kwargs, static, bool(opt.check_finite)
-        )
+        extra = self._extra
+        extra_values = self._read_extra(extra) if extra else []
+        while True:
+            self._traced_extra = extra
+            try:
+                out = self._compiled(
+                    values, state, self._counter, args, kwargs, static, bool(opt.check_finite), extra_values
+                )
+                break
+            except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
+                extra = self._extra = extra + r.storages
+                extra_values = self._read_extra(extra)
+        new_vals, new_state, counter, loss, aux, flags = out
         if self.mesh is None:
             # the trace checked shape and dtype, and a one-device program leaves each value on
             # the device of the cell it read: the unchecked fast write into that cell is exact

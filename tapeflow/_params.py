@@ -83,8 +83,12 @@ def _check_trainable(trainable: object, where: str) -> bool:
 def _as_array(value: ArrayLike) -> Array:
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value.copy()
-    if isinstance(value, (jax.Array, jax.core.Tracer)):
+    if isinstance(value, jax.core.Tracer):
         return value
+    if isinstance(value, jax.Array):
+        # a weakly typed value (jnp.array(1.0)) is stored with its dtype made definite, so a
+        # compiled step sees one signature before and after its first update
+        return jnp.asarray(value, value.dtype) if value.weak_type else value
     return jnp.asarray(value)
 
 

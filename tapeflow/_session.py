@@ -152,6 +152,7 @@ class Session:
         self._rational_warned = False
         self._tokens: list[contextvars.Token[Session | None]] = []
         self._param_values: dict[Storage, Array] | None = None if param_values is None else dict(param_values)
+        self._unlisted: list[Storage] = []
         self._base_key: PRNGKey | None = rng_key
         self._default_device = self.device == default_device()
         self._constants: dict[tuple[Any, ...], Array] = {}
@@ -193,6 +194,16 @@ class Session:
             self._base_key = None
         if new_counter is not None:
             self._rng_counter = new_counter
+
+    @property
+    def unlisted_storages(self) -> tuple[Storage, ...]:
+        """Storages a recording read at their current value because ``param_values`` did not list them.
+
+        The compiled training step passes these as runtime arguments from its next
+        call on, so a frozen table or another optimizer's parameter is never baked
+        into a program as a constant.
+        """
+        return tuple(self._unlisted)
 
     @property
     def tape(self) -> Tape:
@@ -303,6 +314,8 @@ class Session:
             v = self._param_values.get(st)
             if v is not None:
                 return v
+            if st not in self._unlisted:
+                self._unlisted.append(st)
         if st.dtype == R.OBJECT:
             self._warn_rational()
         return st.read(self.device)
