@@ -27,7 +27,7 @@ from typing import NoReturn, TypeAlias, cast, get_args, get_origin, get_type_hin
 import numpy as np
 
 from ._checks import is_int
-from ._session import RNG_COUNTER_RANGE, RNG_SEED_RANGE
+from ._random import RNG_COUNTER_RANGE, RNG_SEED_RANGE
 
 __all__ = [
     "FORMAT",

@@ -390,3 +390,19 @@ def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | 
                 )
         append(setdefault(id(s), i))
     return out
+
+
+def check_fits_without_x64(x: object, where: str) -> None:
+    """Host integers that JAX would silently wrap to 32 bits when ``jax_enable_x64`` is off are an error."""
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on
+        return
+    a = x if isinstance(x, (np.ndarray, np.generic)) else None
+    if a is None or a.dtype.kind not in "iu" or a.dtype.itemsize <= 4 or a.size == 0:
+        return
+    info = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
+    if a.min() < info.min or a.max() > info.max:
+        raise TapeError(
+            f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
+            f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
+            'turn them on with jax.config.update("jax_enable_x64", True)'
+        )

@@ -12,9 +12,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ._result import TapeError
 from ._typing import Array, PRNGKey, Shape
 
-__all__ = ["draw"]
+__all__ = ["RNG_COUNTER_RANGE", "RNG_SEED_RANGE", "draw", "rng_int"]
 
 RandomKind = tuple[str] | tuple[str, float] | tuple[str, float, float]
 """``("normal",)``, ``("bernoulli", p)`` or ``("uniform", low, high)``."""
@@ -49,3 +50,20 @@ def _kernel(kind: RandomKind, shape: Shape, dtype: np.dtype | None) -> Callable[
 def draw(kind: RandomKind, shape: Shape, dtype: np.dtype | None, key: PRNGKey) -> Array:
     """One draw of ``kind`` with ``shape`` and ``dtype`` from ``key``."""
     return _kernel(kind, shape, dtype)(key)
+
+
+RNG_SEED_RANGE = (-(2**63), 2**63)
+"""``[lo, hi)`` of a session seed (JAX's int64 seed range); checkpoints check restored seeds against it."""
+RNG_COUNTER_RANGE = (0, 2**63)
+"""``[lo, hi)`` of a session's RNG counter; checkpoints check restored counters against it."""
+
+
+def rng_int(name: str, v: object, bounds: tuple[int, int]) -> int:
+    """``v`` as an RNG seed or counter in ``[lo, hi)``, else a TapeError naming ``name`` and the range."""
+    lo, hi = bounds
+    rng = f"[{'-2**63' if lo else 0}, 2**63)"
+    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {type(v).__name__} {v!r}")
+    if not lo <= int(v) < hi:
+        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {v}")
+    return int(v)

@@ -37,50 +37,18 @@ import numpy as np
 from . import _registry as R
 from ._device import default_device, resolve_device
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._params import COMPLEX_HINT, Param, Storage, check_value_kind
-from ._random import draw
+from ._params import COMPLEX_HINT, Param, Storage, check_fits_without_x64, check_value_kind
+from ._random import RNG_COUNTER_RANGE, RNG_SEED_RANGE, draw, rng_int
 from ._result import Err, TapeError
 from ._tape import Node, Tape, append_op, check_op, leaf
 from ._tape import backward as _tape_backward
 from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
-__all__ = ["RNG_COUNTER_RANGE", "RNG_SEED_RANGE", "RationalFallbackWarning", "Session"]
-
-RNG_SEED_RANGE = (-(2**63), 2**63)
-"""``[lo, hi)`` of a session seed (JAX's int64 seed range); checkpoints check restored seeds against it."""
-RNG_COUNTER_RANGE = (0, 2**63)
-"""``[lo, hi)`` of a session's RNG counter; checkpoints check restored counters against it."""
+__all__ = ["RationalFallbackWarning", "Session"]
 
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
-
-
-def _rng_int(name: str, v: object, bounds: tuple[int, int]) -> int:
-    """``v`` as an RNG seed or counter in ``[lo, hi)``, else a TapeError naming ``name`` and the range."""
-    lo, hi = bounds
-    rng = f"[{'-2**63' if lo else 0}, 2**63)"
-    if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
-        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {type(v).__name__} {v!r}")
-    if not lo <= int(v) < hi:
-        raise TapeError(f"set_rng_state: {name} must be an int in {rng}, got {v}")
-    return int(v)
-
-
-def _check_fits_without_x64(x: object, where: str) -> None:
-    """Host integers that JAX would silently wrap to 32 bits when ``jax_enable_x64`` is off are an error."""
-    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on
-        return
-    a = x if isinstance(x, (np.ndarray, np.generic)) else None
-    if a is None or a.dtype.kind not in "iu" or a.dtype.itemsize <= 4 or a.size == 0:
-        return
-    info = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
-    if a.min() < info.min or a.max() > info.max:
-        raise TapeError(
-            f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
-            f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
-            'turn them on with jax.config.update("jax_enable_x64", True)'
-        )
 
 
 class RationalFallbackWarning(UserWarning):
@@ -187,8 +155,8 @@ class Session:
         >>> bool((s.normal((2,)).value == a).all())
         True
         """
-        new_seed = None if seed is None else _rng_int("seed", seed, RNG_SEED_RANGE)
-        new_counter = None if counter is None else _rng_int("counter", counter, RNG_COUNTER_RANGE)
+        new_seed = None if seed is None else rng_int("seed", seed, RNG_SEED_RANGE)
+        new_counter = None if counter is None else rng_int("counter", counter, RNG_COUNTER_RANGE)
         if new_seed is not None:
             self._seed = new_seed
             self._base_key = None
@@ -266,7 +234,7 @@ class Session:
             self._warn_rational()
             return x
         if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
-            _check_fits_without_x64(x, where)
+            check_fits_without_x64(x, where)
             # Uncommitted on the default device, like parameter values created with jnp:
             # kernels then see one placement for every operand and compile once.
             return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
