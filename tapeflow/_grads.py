@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
-import jax
 import numpy as np
 
 from ._params import Param, Storage, canonical_indices
@@ -31,7 +30,7 @@ from ._tape import add_cotangents
 from ._tensor import Tensor
 from ._typing import Array, NodeId
 
-__all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "release_arrays", "sum_in_leaf_order"]
+__all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "sum_in_leaf_order"]
 
 ParameterRecord: TypeAlias = Any
 """What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
@@ -96,21 +95,6 @@ def sum_in_leaf_order(parts: Sequence[Array]) -> Array:
     return g
 
 
-def release_arrays(arrays: Sequence[Array], keep: Sequence[Array] = ()) -> int:
-    """Delete device buffers of ``arrays`` (skipping those in ``keep``); returns how many."""
-    n = 0
-    keep_ids = {id(k) for k in keep}
-    for a in arrays:
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and id(a) not in keep_ids:
-            try:
-                if not a.is_deleted():
-                    a.delete()
-                    n += 1
-            except Exception:
-                pass
-    return n
-
-
 class Grads(Mapping[GradKey, Array]):
     """The result of :meth:`Session.backward`.
 
@@ -120,8 +104,9 @@ class Grads(Mapping[GradKey, Array]):
     * ``grads[tensor]`` / ``grads[node_id]``: the raw cotangent of one leaf.
     * ``grads.groups``: the :class:`ParameterGroup` s of the recording.
 
-    It owns its buffers: use it as a context manager (or call :meth:`release`)
-    to free them; releasing twice is safe.
+    It holds its buffers until released: use it as a context manager (or call
+    :meth:`release`); releasing twice is safe. Releasing drops the references,
+    so JAX frees every buffer nobody else holds, and never one the user kept.
     """
 
     def __init__(
@@ -130,7 +115,6 @@ class Grads(Mapping[GradKey, Array]):
         groups: list[ParameterGroup],
         owner: int,
         generation: int,
-        keep: Sequence[Array] = (),
     ) -> None:
         self.by_leaf = by_leaf
         self.groups = groups
@@ -141,7 +125,6 @@ class Grads(Mapping[GradKey, Array]):
             if g.storage is not None:
                 self._group_of_storage[id(g.storage)] = g
         self._sums: dict[NodeId, Array] = {}
-        self._keep = list(keep)
         self._param_leaves = {i for g in groups for i in g.leaves}
         self.released = False
         self._consumed: set[NodeId] = set()
@@ -243,30 +226,27 @@ class Grads(Mapping[GradKey, Array]):
         return out
 
     def consume(self, groups: Sequence[ParameterGroup]) -> None:
-        """Free the buffers of ``groups`` (an optimizer has used them).
+        """Let go of the buffers of ``groups`` (an optimizer has used them).
 
         Once every parameter group is consumed the whole object is released, so
         two optimizers over disjoint parameters can share one ``Grads``.
         """
         if self.released:
             return
-        arrays = []
         for g in groups:
-            arrays += [self.by_leaf.pop(i) for i in g.leaves if i in self.by_leaf]
-            if g.id in self._sums:
-                arrays.append(self._sums.pop(g.id))
+            for i in g.leaves:
+                self.by_leaf.pop(i, None)
+            self._sums.pop(g.id, None)
             self._param_leaves.difference_update(g.leaves)
             self._consumed.add(g.id)
-        release_arrays(arrays, keep=self._keep)
         if not self._param_leaves:
             self.release()
 
     def release(self) -> None:
-        """Free the device buffers these gradients own (idempotent)."""
+        """Let go of every buffer these gradients hold (idempotent); arrays the user kept stay valid."""
         if self.released:
             return
         self.released = True
-        release_arrays(list(self.by_leaf.values()) + list(self._sums.values()), keep=self._keep)
         self.by_leaf = {}
         self._sums = {}
 

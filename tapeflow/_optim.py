@@ -32,7 +32,7 @@ import optax
 from optax.tree_utils import tree_map_params
 
 from . import _registry as R
-from ._grads import Grads, ParameterGroup, release_arrays, sum_in_leaf_order
+from ._grads import Grads, ParameterGroup, sum_in_leaf_order
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
 from ._typing import Array, ArrayLike, OptState, PyTree
@@ -466,21 +466,18 @@ class Optimizer:
             if isinstance(grads, Grads):
                 grads.consume(mine)
             return
-        temps: list[Array] = []
         try:
             device = next(_device_of(p[0]) for p in per_slot if p is not None)
             values = [s.read(device) for s in storages]
             if isinstance(grads, Grads):
-                # the per-storage sums of the recording (kept by grads; consume() frees them)
+                # the per-storage sums of the recording (held by grads until consume() lets go of them)
                 slot_grads = [None if g is None else grads.group_gradient(g) for g in groups]
             else:
                 slot_grads = [None if p is None else sum_in_leaf_order(p) for p in per_slot]
-                temps = [g for g, p in zip(slot_grads, per_slot) if p is not None and len(p) > 1]
             new_vals, new_state = self.update(values, self.state, slot_grads, used)
         finally:
-            release_arrays(temps)
             if isinstance(grads, Grads):
-                grads.consume(mine)  # frees what this step used; all of it once every group is used
+                grads.consume(mine)  # lets go of what this step used; of everything once every group is used
         for k, st in enumerate(storages):
             if used[k]:
                 st.write(new_vals[k], on_device=True)

@@ -508,9 +508,7 @@ class Session:
         wrt = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
         wrt += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
         by_leaf = _tape_backward(self._tape, loss.id, seed=seed, wrt=wrt)
-        return Grads(
-            by_leaf, self.parameter_groups(), self._owner, self._generation, keep=() if seed is None else (seed,)
-        )
+        return Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:

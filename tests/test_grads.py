@@ -7,6 +7,9 @@ against ``jax.grad`` of an equivalent pure function.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,9 +68,14 @@ class TestGrads:
         s, x, w, loss, *_ = self._model()
         with s.backward(loss) as g:
             gx, gw = g[x], g[w]
+            refs = [weakref.ref(a) for a in g.by_leaf.values()]
             assert not gx.is_deleted() and not gw.is_deleted()
         assert g.released
-        assert gx.is_deleted() and gw.is_deleted()
+        # released: arrays the user kept stay valid, the rest is freed
+        assert not gx.is_deleted() and not gw.is_deleted()
+        del gx, gw
+        gc.collect()
+        assert refs and all(r() is None for r in refs)
         with pytest.raises(TapeError, match="released"):
             g[x]
         with pytest.raises(TapeError, match="released"):
@@ -93,10 +101,11 @@ class TestGrads:
         grads = None
         with pytest.raises(RuntimeError):
             with s.backward(loss) as grads:
-                gw = grads[w]
+                gw = weakref.ref(grads[w])
                 raise RuntimeError("boom")
         assert grads is not None and grads.released
-        assert gw.is_deleted()
+        gc.collect()
+        assert gw() is None
 
     def test_shared_sum_released_too(self):
         w = tfl.Param(_arr((3,), 94))
@@ -107,7 +116,10 @@ class TestGrads:
             parts = [g[i] for i in g.groups[0].leaves]
             assert len(parts) == 3
             close(total, parts[0] + parts[1] + parts[2])
-        assert total.is_deleted() and all(p.is_deleted() for p in parts)
+            refs = [weakref.ref(a) for a in [total, *parts]]
+            del total, parts
+        gc.collect()
+        assert all(r() is None for r in refs)  # the cached sum is released with the parts
 
     def test_backward_twice_same_result(self):
         s, x, w, loss, *_ = self._model()
@@ -279,15 +291,20 @@ class TestGradsLookup:
         x = s.input(_arr((3,), 102), requires_grad=True)
         loss = (p * x).sum() + (tfl.tie(q) * q * x).sum()
         g = s.backward(loss)
-        gp, gq, gx = g[p], g[q], g[x]
-        q_parts = [g[i] for i in g.group_of(q).leaves]
+        gp = weakref.ref(g[p])
+        gq, gx = weakref.ref(g[q]), weakref.ref(g[x])
+        q_parts = [weakref.ref(g[i]) for i in g.group_of(q).leaves]
+        kept = g[q]  # a gradient the user holds outlives consume and release
         g.consume([g.group_of(p)])  # one optimizer used p's gradient
-        assert not g.released and gp.is_deleted()
+        gc.collect()
+        assert not g.released and gp() is None
         assert p not in g and g.get(p) is None
-        assert not gq.is_deleted() and not gx.is_deleted() and q in g
+        assert gx() is not None and q in g
         g.consume([g.group_of(q)])  # every parameter group consumed: the whole object is released
+        gc.collect()
         assert g.released
-        assert gq.is_deleted() and all(a.is_deleted() for a in q_parts) and gx.is_deleted()
+        assert all(r() is None for r in q_parts) and gx() is None
+        assert gq() is kept and not kept.is_deleted()
         g.consume([g.groups[0]])  # consuming after release is a no-op
         g.release()
         assert not p.value.is_deleted() and not q.value.is_deleted() and not x.value.is_deleted()
@@ -305,3 +322,24 @@ def test_reading_a_consumed_gradient_says_it_was_consumed():
         with pytest.raises(KeyError, match="consumed"):
             g[w]
         assert g[v].shape == (2,)
+
+
+def test_step_and_release_never_delete_an_array_the_user_kept():
+    """Issue 10, item 6: opt.step releases only what it consumed; release drops, never deletes, kept arrays."""
+    import optax
+
+    w = tfl.Param(jnp.array([1.0, 2.0]))
+    opt = tfl.Optimizer(optax.sgd(0.5), [w])
+    with tfl.Session() as s:
+        x = s.input(jnp.array([3.0, 4.0]), requires_grad=True)
+        g = s.backward((w * x).sum())
+        gx = g[x]  # a gradient for an input, taken out before the step
+        opt.step(g)
+    assert not gx.is_deleted() and np.asarray(gx).tolist() == [1.0, 2.0]
+
+    p = tfl.Param(jnp.zeros(2))
+    with tfl.Session() as s:
+        g = s.backward((p * 3.0).sum())
+        p.value = g[p]  # the gradient becomes a parameter value
+        g.release()
+    assert not p.value.is_deleted() and np.asarray(p.value).tolist() == [3.0, 3.0]
