@@ -225,7 +225,6 @@ class TrainStep:
         self._param_specs = dict(param_specs or {})
         self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6))
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
-        self._traced_extra: tuple[Storage, ...] = ()
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
@@ -253,9 +252,9 @@ class TrainStep:
         storages = opt.storages
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = dict(zip(storages, values))
-        overrides.update(zip(self._traced_extra, extra_values))
+        overrides.update(zip(self._extra, extra_values))  # extra_values always holds self._extra's values
         s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
-        new = tuple(st for st in s.unlisted_storages if st not in self._traced_extra)
+        new = tuple(st for st in s.unlisted_storages if st not in self._extra)
         if new:  # Params the optimizer does not own: trace again with them as arguments, never as constants
             raise _Retrace(new)
         self._signatures.add(signature)
@@ -362,7 +361,6 @@ class TrainStep:
         extra = self._extra
         extra_values = self._read_extra(extra) if extra else []
         while True:
-            self._traced_extra = extra
             try:
                 out = self._compiled(
                     values, state, self._counter, args, kwargs, static, bool(opt.check_finite), extra_values
@@ -381,8 +379,9 @@ class TrainStep:
                 st.write(v, on_device=True)
         opt.state = new_state
         self._counter = counter
-        if flags is not None and not bool(jnp.all(flags)):  # the program kept every old value
-            bad = int(np.argmin(np.asarray(flags)))
+        ok = None if flags is None else np.asarray(flags)
+        if ok is not None and not ok.all():  # the program kept every old value
+            bad = int(np.argmin(ok))
             raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
         self.step_count += 1
         self._counter_step = self.step_count

@@ -144,10 +144,6 @@ class Grads(Mapping[GradKey, Array]):
             self._sums[group.id] = got
         return got
 
-    def group_of(self, key: Param | Storage) -> ParameterGroup | None:
-        """The parameter group of ``key``'s storage in this recording, or None if it was not used."""
-        return self._key_to_group(key)
-
     def storage_gradients(self, storages: Sequence[Storage]) -> list[Array | None]:
         """One summed gradient per storage, in the order given (None: the recording did not use it).
 
@@ -170,7 +166,8 @@ class Grads(Mapping[GradKey, Array]):
                 "these gradients were released (Grads.release() or the end of its with block); run backward again"
             )
 
-    def _key_to_group(self, key: object) -> ParameterGroup | None:
+    def group_of(self, key: object) -> ParameterGroup | None:
+        """The parameter group of ``key``'s storage (a Param or Storage) in this recording, or None if it was not used."""
         if isinstance(key, Param):
             return self._group_of_storage.get(id(key.storage))
         if isinstance(key, Storage):
@@ -180,7 +177,7 @@ class Grads(Mapping[GradKey, Array]):
     def __getitem__(self, key: GradKey) -> Array:
         self._check_live()
         if isinstance(key, (Param, Storage)):
-            g = self._key_to_group(key)
+            g = self.group_of(key)
             val = None if g is None else self.group_gradient(g)
             if val is None and g is not None and g.id in self._consumed:
                 raise KeyError(

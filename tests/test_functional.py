@@ -601,7 +601,21 @@ class TestSessionInsideUserJit:
 
 # =========================================================================== sharding (8 simulated CPU devices)
 
-_SHARDED_SCRIPT = textwrap.dedent(
+# shared by the subprocess scripts below: a sharding's spec without trailing Nones
+_SPEC_OF = textwrap.dedent(
+    """
+    def spec_of(a):
+        from jax.sharding import NamedSharding
+        if not isinstance(a.sharding, NamedSharding):
+            return "single-device" if len(a.devices()) == 1 else type(a.sharding).__name__
+        spec = list(a.sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return str(tuple(spec))
+    """
+)
+
+_SHARDED_SCRIPT = _SPEC_OF + textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -643,14 +657,6 @@ _SHARDED_SCRIPT = textwrap.dedent(
         mu_spec = spec_of(opt.state[0].mu["w0"])
         vals = {k: np.asarray(p.value) for k, p in params.items()}
         return losses, vals, spec, mu_spec, step.trace_count
-
-    def spec_of(a):
-        if not isinstance(a.sharding, NamedSharding):
-            return "single-device" if len(a.devices()) == 1 else type(a.sharding).__name__
-        spec = list(a.sharding.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        return str(tuple(spec))
 
     def diff(a, b):
         return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
@@ -921,7 +927,7 @@ class TestTrainStepSeams:
         assert calls_per_step(2) == calls_per_step(24) <= 6
 
 
-_SLOT_PLACEMENT_SCRIPT = textwrap.dedent(
+_SLOT_PLACEMENT_SCRIPT = _SPEC_OF + textwrap.dedent(
     """
     import json
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -929,14 +935,6 @@ _SLOT_PLACEMENT_SCRIPT = textwrap.dedent(
     import tapeflow as tfl
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-
-    def spec_of(a):
-        if not isinstance(a.sharding, NamedSharding):
-            return "single-device" if len(a.devices()) == 1 else type(a.sharding).__name__
-        spec = list(a.sharding.spec)
-        while spec and spec[-1] is None:
-            spec.pop()
-        return str(tuple(spec))
 
     def adam_of(state):
         return next(n for n in jax.tree_util.tree_leaves(state, is_leaf=lambda n: isinstance(n, optax.ScaleByAdamState))
