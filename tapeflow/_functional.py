@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _registry as R
+from ._interrupts import deferred_interrupts
 from ._optim import Optimizer, SlotKey
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
@@ -192,7 +193,7 @@ class TrainStep:
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array(1.0), name="w")
-    >>> step = tfl.TrainStep(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]), donate=False)
+    >>> step = tfl.TrainStep(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]))
     >>> float(step(jnp.array(2.0))), float(w.value), step.step_count
     (2.0, 0.0, 1)
     """
@@ -205,7 +206,7 @@ class TrainStep:
         mesh: Mesh | None = None,
         data_axis: str | None = "data",
         param_specs: Mapping[ParamSpecKey, PartitionSpec] | None = None,
-        donate: bool = True,
+        donate: bool = False,
         has_aux: bool = False,
         seed: int = 0,
         static_argnames: tuple[str, ...] | list[str] | str = (),
@@ -346,6 +347,14 @@ class TrainStep:
         return vals
 
     def __call__(self, *args: PyTree, **kwargs: PyTree) -> Array | tuple[Array, PyTree]:
+        with self.optimizer.lock:  # steps over one optimizer, from any thread, run one at a time
+            if not self.donate:
+                return self._call(args, kwargs)
+            # donated inputs are gone once the program starts: hold Ctrl-C until the results are written
+            with deferred_interrupts():
+                return self._call(args, kwargs)
+
+    def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
@@ -369,22 +378,27 @@ class TrainStep:
             except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
                 extra = self._extra = extra + r.storages
                 extra_values = self._read_extra(extra)
+            except Exception as e:
+                if self.donate and any(isinstance(v, jax.Array) and v.is_deleted() for v in values):
+                    raise TapeError(
+                        f"train_step(donate=True): the program failed ({type(e).__name__}) after its inputs were "
+                        "donated, so the parameter values and optimizer state it was given are deleted. Restore "
+                        "them from a checkpoint; with donate=False (the default) a failed step keeps them"
+                    ) from e
+                raise
         new_vals, new_state, counter, loss, aux, flags = out
-        if self.mesh is None:
-            # the trace checked shape and dtype, and a one-device program leaves each value on
-            # the device of the cell it read: the unchecked fast write into that cell is exact
-            Storage.write_current_many(storages, new_vals)
-        else:
-            for st, v in zip(storages, new_vals):
-                st.write(v, on_device=True)
-        opt.state = new_state
-        self._counter = counter
         ok = None if flags is None else np.asarray(flags)
+        with deferred_interrupts():  # parameters, optimizer state and counters change together or not at all
+            # one device: the trace checked shape and dtype, and the program leaves each value on the
+            # device of the cell it read, so the unchecked fast write into that cell is exact
+            opt.install(new_vals, new_state, exact=self.mesh is None)
+            self._counter = counter
+            if ok is None or ok.all():
+                self.step_count += 1
+                self._counter_step = self.step_count
         if ok is not None and not ok.all():  # the program kept every old value
             bad = int(np.argmin(ok))
             raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
-        self.step_count += 1
-        self._counter_step = self.step_count
         return (loss, aux) if self.has_aux else loss
 
     def cache_size(self) -> int:
@@ -413,10 +427,17 @@ def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainSte
       along their first dimension, parameters are replicated unless
       ``param_specs`` maps a Param (or its name) to a ``PartitionSpec``; per-parameter
       optimizer slots follow their parameter's sharding.
-    * ``donate`` (default True): donate the previous parameter and optimizer-state
-      buffers to the update. Arrays still referring to them (a Param value you kept,
-      a leaf of an eager recording that was not reset) become invalid; pass
-      ``donate=False`` if you mix eager recordings with compiled steps.
+    * ``donate`` (default False): let the program reuse the buffers of the previous
+      parameter values and optimizer state for the new ones. By default the old
+      buffers live until the new values are written back, which costs one extra
+      copy of the parameters and optimizer state at the peak, and buys the
+      guarantee that a failed or interrupted step changes nothing: the Params and
+      the optimizer keep exactly their old values (or, once the program finished,
+      exactly the new ones) and every array you kept, including leaves an open
+      session recorded with ``s.use(w)``, stays valid. ``donate=True`` saves that
+      memory and gives both up: a failure inside the program deletes the
+      parameters and the state (a :class:`TapeError` says so), and arrays still
+      referring to the old values become invalid.
     * ``has_aux``: ``loss_fn`` returns ``(loss, aux)`` and the step returns both.
     * ``seed``: session random tensors in step ``k`` derive from ``fold_in(key(seed), k)``.
     * ``static_argnames``: keyword arguments of ``loss_fn`` passed as compile-time

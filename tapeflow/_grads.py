@@ -125,7 +125,9 @@ class Grads(Mapping[GradKey, Array]):
             if g.storage is not None:
                 self._group_of_storage[id(g.storage)] = g
         self._sums: dict[NodeId, Array] = {}
-        self._param_leaves = {i for g in groups for i in g.leaves}
+        # leaves an optimizer can consume: a registration without a storage has nothing to update,
+        # so it never holds the other groups' buffers past the last optimizer step
+        self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
         self.released = False
         self._consumed: set[NodeId] = set()
 
@@ -225,8 +227,10 @@ class Grads(Mapping[GradKey, Array]):
     def consume(self, groups: Sequence[ParameterGroup]) -> None:
         """Let go of the buffers of ``groups`` (an optimizer has used them).
 
-        Once every parameter group is consumed the whole object is released, so
-        two optimizers over disjoint parameters can share one ``Grads``.
+        Once every parameter group with a storage is consumed the whole object is
+        released, so two optimizers over disjoint parameters can share one
+        ``Grads`` (registrations without a storage are never an optimizer's to
+        consume, so they do not keep it alive).
         """
         if self.released:
             return

@@ -21,6 +21,7 @@ which :func:`~tapeflow.train_step` traces into its program.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias, cast
@@ -33,6 +34,7 @@ from optax.tree_utils import tree_map_params
 
 from . import _registry as R
 from ._grads import Grads, ParameterGroup, sum_in_leaf_order
+from ._interrupts import deferred_interrupts
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
 from ._typing import Array, ArrayLike, OptState, PyTree
@@ -147,6 +149,8 @@ class Optimizer:
     * ``opt.step(grads, check_finite=False)``: one update per used storage.
     * ``opt.update(values, state, grads, used)``: the same update as a pure,
       jit-compatible function of the slot values (what ``train_step`` compiles).
+    * ``opt.lock``: steps (eager or compiled) over this optimizer from several
+      threads are serialized on it, and each step's write-back is one unit.
 
     A trainable parameter that the recording did not use is skipped, as PyTorch
     skips a parameter whose ``.grad`` is None: its value and its per-parameter
@@ -169,6 +173,7 @@ class Optimizer:
             raise TypeError(f"Optimizer expects an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.check_finite = check_finite
+        self.lock = threading.RLock()  # steps from several threads run one after the other
         self._records, names = _records_of(params)
         self._names = names
         self._update_fns: dict[tuple[bool, ...], UpdateFn] = {}
@@ -326,6 +331,7 @@ class Optimizer:
                 raise TapeError("Optimizer.step: these gradients were already released; run backward again")
             for g in grads.groups:
                 if g.storage is None:
+                    self._refuse_storageless(g)
                     continue
                 k = self._slot_of_storage.get(id(g.storage))
                 if k is None:
@@ -359,6 +365,18 @@ class Optimizer:
                 continue
             per_slot[k] = (per_slot[k] or ()) + (v,)
         return per_slot, groups
+
+    def _refuse_storageless(self, g: ParameterGroup) -> None:
+        """Raise if ``g`` registers one of this optimizer's Params without a storage (nothing to update)."""
+        p = g.parameter
+        st = p.storage if isinstance(p, Param) else None
+        if st is not None and id(st) in self._slot_of_storage:
+            raise TapeError(
+                f"Optimizer.step: leaf #{g.leaves[0]} registers {p!r}, one of this optimizer's parameters, without "
+                "a storage descriptor, so the optimizer cannot tell which storage its gradient updates; nothing "
+                "was updated. Register it with session.register_parameter_leaf(h, p, storage=p.storage), or "
+                "record it with session.use(p)"
+            )
 
     def _validate(self, per_slot: list[tuple[Array, ...] | None], check_finite: bool) -> None:
         for k, parts in enumerate(per_slot):
@@ -456,7 +474,12 @@ class Optimizer:
         step consumed are released after the update, also when it raises; once
         every parameter group of ``grads`` is consumed the whole ``Grads`` is
         released (so two optimizers over disjoint parameters can share one).
+        Steps from several threads are serialized on :attr:`lock`.
         """
+        with self.lock:
+            self._step(grads, check_finite)
+
+    def _step(self, grads: GradsLike, check_finite: bool | None) -> None:
         storages = self.check_layout()
         per_slot, groups = self._collect(grads)
         self._validate(per_slot, self.check_finite if check_finite is None else check_finite)
@@ -478,10 +501,31 @@ class Optimizer:
         finally:
             if isinstance(grads, Grads):
                 grads.consume(mine)  # lets go of what this step used; of everything once every group is used
-        for k, st in enumerate(storages):
-            if used[k]:
-                st.write(new_vals[k], on_device=True)
-        self.state = new_state
+        self.install(new_vals, new_state, used)
+
+    def install(
+        self, values: Sequence[Array], state: OptState, used: Sequence[bool] | None = None, *, exact: bool = False
+    ) -> None:
+        """Write new slot values (those marked ``used``; default all) and the new state, as one unit.
+
+        The writes run with Ctrl-C held off (:func:`~tapeflow._interrupts.deferred_interrupts`):
+        an interrupt lands before or after them, never between two, so the
+        parameters and the state always belong to the same step. ``exact=True``
+        skips the per-value placement and dtype handling of :meth:`Storage.write`
+        (for values a compiled step already produced in the cells' shapes, dtypes
+        and devices).
+        """
+        storages = self._slot_storages
+        if used is None:
+            used = [True] * len(storages)
+        with deferred_interrupts():
+            if exact and all(used):
+                Storage.write_current_many(storages, values)
+            else:
+                for st, v, u in zip(storages, values, used):
+                    if u:
+                        st.write(v, on_device=True)
+            self.state = state
 
     def __repr__(self) -> str:
         return f"Optimizer({len(self._slot_storages)} slots for {len(self._records)} registrations)"

@@ -81,6 +81,11 @@ class Session:
         functional bridge passes the traced parameter values this way).
     rng_key:
         A ``jax.random`` key to derive random tensors from instead of ``seed``.
+    check_same_thread:
+        True (default): the session and its handles may be used only from the
+        thread that created it; another thread gets a :class:`TapeError` (as
+        :mod:`sqlite3` does). False lifts the check: you then serialize every use
+        yourself.
 
     Examples
     --------
@@ -103,7 +108,9 @@ class Session:
         *,
         param_values: Mapping[Storage, Array] | None = None,
         rng_key: PRNGKey | None = None,
+        check_same_thread: bool = True,
     ) -> None:
+        self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = resolve_device(device) if device is not None else default_device()
         self._seed = int(seed)
         self.grad_enabled = bool(grad_enabled)
@@ -124,6 +131,22 @@ class Session:
         self._base_key: PRNGKey | None = rng_key
         self._default_device = self.device == default_device()
         self._constants: dict[tuple[Any, ...], Array] = {}
+
+    # -- thread ownership ------------------------------------------------------
+    def check_thread(self) -> None:
+        """Raise :class:`TapeError` if the calling thread may not use this session.
+
+        A session belongs to the thread that created it (unless it was created with
+        ``check_same_thread=False``). Every recording, read of a handle, backward,
+        draw and reset checks it first, so a call from another thread changes nothing.
+        """
+        t = self._thread
+        if t is not None and t != threading.get_ident():
+            raise TapeError(
+                f"Session owner {self._owner} was created in thread {t} and cannot be used from thread "
+                f"{threading.get_ident()} (nor can its tensor handles). Open one session per thread, or create it "
+                "with Session(check_same_thread=False) and serialize every use yourself"
+            )
 
     # -- read-only state -------------------------------------------------------
     @property
@@ -155,6 +178,7 @@ class Session:
         >>> bool((s.normal((2,)).value == a).all())
         True
         """
+        self.check_thread()
         new_seed = None if seed is None else rng_int("seed", seed, RNG_SEED_RANGE)
         new_counter = None if counter is None else rng_int("counter", counter, RNG_COUNTER_RANGE)
         if new_seed is not None:
@@ -187,6 +211,7 @@ class Session:
 
     # -- context ---------------------------------------------------------------
     def __enter__(self) -> Session:
+        self.check_thread()
         self._tokens.append(push_current(self))
         return self
 
@@ -252,6 +277,7 @@ class Session:
 
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
+        self.check_thread()
         self._tape = t
         note_recorded(self._ref)
 
@@ -334,6 +360,7 @@ class Session:
         >>> s.apply("mul", s.input(jnp.arange(3.0)), 2.0).value.tolist()
         [0.0, 2.0, 4.0]
         """
+        self.check_thread()
         for o in operands:
             if type(o) is Tensor:
                 check_handle(o, self)
@@ -446,6 +473,7 @@ class Session:
 
     def _random(self, method: str, kind: tuple[Any, ...], shape: int | tuple[int, ...], dtype: DTypeLike) -> Tensor:
         # every check before the draw: a rejected call advances no counter and records nothing
+        self.check_thread()
         if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
             shape = (shape,)
         if not isinstance(shape, (tuple, list)) or any(
@@ -482,11 +510,13 @@ class Session:
 
     def random_key(self) -> PRNGKey:
         """A fresh ``jax.random`` key derived from (seed, counter); advances the counter once."""
+        self.check_thread()
         return self._next_key()
 
     # -- backward --------------------------------------------------------------
     def parameter_groups(self) -> list[ParameterGroup]:
         """Trainable parameter leaves of this recording grouped by storage identity."""
+        self.check_thread()
         nodes = self._tape._buf.nodes
         trainable = {i: p for i, p in self._params_by_leaf.items() if nodes[i].requires_grad}
         return group_parameter_leaves(trainable, self._storage_by_leaf)
@@ -520,6 +550,7 @@ class Session:
         holds (``h.value``, a ``Tape`` kept or forked, another session's leaf)
         stays valid, and nothing else outlives the reset.
         """
+        self.check_thread()
         self._tape = Tape.empty(self.device)
         self._params_by_leaf = {}
         self._storage_by_leaf = {}

@@ -362,7 +362,8 @@ class Tensor(TensorOps):
 def check_handle(h: Tensor, s: Session | None) -> Session:
     """Raise :class:`TapeError` unless ``h`` belongs to ``s`` (default: its own session) and its current generation.
 
-    A session mismatch is reported before a stale generation.
+    A session mismatch is reported before a use from a thread that may not use
+    the session (:meth:`Session.check_thread`), and that before a stale generation.
     """
     hs = h._session
     if hs is None:
@@ -377,6 +378,7 @@ def check_handle(h: Tensor, s: Session | None) -> Session:
             f"tensor handle belongs to a different session (owner {h._owner}, this session is owner {s.owner}); "
             "handles cannot be mixed across sessions: pass the value with session.input(handle.value)"
         )
+    s.check_thread()
     if h._generation != s.generation:
         raise TapeError(
             f"stale tensor handle from generation {h._generation}; current generation is {s.generation} "

@@ -17,7 +17,7 @@ PKG = ROOT / "tapeflow"
 
 # Lower layers never import higher ones (same layer: no imports between them either).
 LAYERS: list[list[str]] = [
-    ["_typing", "_result", "_device"],
+    ["_typing", "_result", "_device", "_interrupts"],
     ["_registry"],
     ["_checks"],
     ["_ops_math", "_ops_shape", "_ops_nn"],
