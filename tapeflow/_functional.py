@@ -124,7 +124,9 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
     With ``has_aux=True`` ``loss_fn`` returns ``(loss, aux)`` and ``f`` returns
     ``((loss, aux), grads)``; Tensors inside ``aux`` come back as arrays.
     A keyword argument ``rng`` (a ``jax.random`` key) seeds the session's random
-    tensors for the call.
+    tensors for the call. Under a JAX transformation every Param ``loss_fn``
+    reads must be in ``params``: one read at its current value would be baked
+    into the compiled program, so it is refused with a :class:`TapeError`.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
@@ -155,6 +157,14 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
         storages = [p.storage for p in leaves]
         overrides = {p.storage: p.value for p in leaves}
         s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
+        unlisted = s.unlisted_storages
+        if unlisted and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((leaves, args, kwargs))):
+            raise TapeError(
+                f"value_and_grad: loss_fn read {len(unlisted)} Param storage(s) not in params ({unlisted[0]!r} first) "
+                "while being traced: the compiled program would keep the value read now as a constant and ignore "
+                "later changes. Pass those Params in params (their gradients are returned too), or pass their "
+                "values as arguments (tfl.param_values(...))"
+            )
         gl, _ = _storage_grads(s, loss, storages)
         value = s.node(loss).value
         grads = jax.tree_util.tree_unflatten(treedef, gl)

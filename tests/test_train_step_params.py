@@ -7,6 +7,7 @@ of the compiled program, never a constant baked in at trace time.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -73,3 +74,31 @@ def test_a_param_first_used_on_a_later_call_is_an_argument_too():
     assert float(step(use_late=True)) == 64.0
     late.value = jnp.array(3.0)
     assert float(step(use_late=True)) == 1.0
+
+
+class TestValueAndGradReadsNoHiddenParam:
+    """value_and_grad is a pure function of ``params``: under jax.jit a Param it was not given is refused."""
+
+    def test_an_unlisted_param_under_jit_is_refused_not_baked(self):
+        w = tfl.Param(jnp.array(1.0))
+        u = tfl.Param(jnp.array(0.0), trainable=False)
+        f = jax.jit(tfl.value_and_grad(lambda s: (w - u) ** 2.0))
+        with pytest.raises(tfl.TapeError, match=r"not in params.*constant.*Pass those Params in params"):
+            f({"w": w})
+
+    def test_listing_it_reads_it_every_call(self):
+        w = tfl.Param(jnp.array(1.0))
+        u = tfl.Param(jnp.array(0.0), trainable=False)
+        f = jax.jit(tfl.value_and_grad(lambda s: (w - u) ** 2.0))
+        got = []
+        for k in range(4):
+            u.value = jnp.array(float(k))
+            loss, g = f({"w": w, "u": u})
+            got.append((float(loss), float(g["w"])))
+        assert got == [(1.0, 2.0), (0.0, 0.0), (1.0, -2.0), (4.0, -4.0)]
+
+    def test_outside_a_transformation_the_current_value_is_read(self):
+        w = tfl.Param(jnp.array(1.0))
+        u = tfl.Param(jnp.array(3.0), trainable=False)
+        loss, g = tfl.value_and_grad(lambda s: (w - u) ** 2.0)({"w": w})
+        assert (float(loss), float(g["w"])) == (4.0, -4.0)
