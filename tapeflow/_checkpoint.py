@@ -1,7 +1,7 @@
 """Checkpoints: parameters, alias layout, optimizer state and session RNG, via orbax.
 
-:func:`save` writes one directory of orbax items, committed together in a
-single atomic rename (orbax writes a temporary directory first):
+:func:`save` writes one directory of orbax items, staged in full beside the
+path and then renamed into place (a killed save never leaves a half checkpoint):
 
 * ``params``: the parameter values, one array per *storage* (tied
   registrations are stored once);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
@@ -93,9 +94,7 @@ def _short(e: BaseException) -> str:
         if k > 0:
             msg = msg[:k]
     msg = msg.strip().rstrip(".:")
-    if len(msg) > 300:
-        msg = msg[:300] + "..."
-    return f"{type(e).__name__}: {msg}"
+    return f"{type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}"
 
 
 def _checkpointer() -> Any:
@@ -124,24 +123,19 @@ def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param]
     if isinstance(obj, Param):
         return [obj.name], [obj], False
     if hasattr(obj, "parameter_records") and callable(obj.parameter_records):
-        pairs = list(obj.parameter_records())
-        keyed = True
+        pairs, keyed = list(obj.parameter_records()), True
     elif hasattr(obj, "named_parameters") and callable(obj.named_parameters):
-        pairs = list(obj.named_parameters())
-        keyed = True
+        pairs, keyed = list(obj.named_parameters()), True
     elif isinstance(obj, Mapping):
-        pairs = [(str(k), v) for k, v in obj.items()]
-        keyed = True
+        pairs, keyed = [(str(k), v) for k, v in obj.items()], True
     else:
         try:
             recs = list(obj)
         except TypeError:
             raise TypeError(
-                "expected a sequence of tfl.Param, a mapping name -> Param, or a module with parameter_records(); "
-                f"got {type(obj).__name__}"
+                f"expected a sequence of tfl.Param, a mapping name -> Param, or a module with parameter_records(); got {type(obj).__name__}"
             ) from None
-        pairs = [(getattr(p, "name", None), p) for p in recs]
-        keyed = False
+        pairs, keyed = [(getattr(p, "name", None), p) for p in recs], False
     names: list[str | None] = []
     regs: list[Param] = []
     for i, pair in enumerate(pairs):
@@ -180,8 +174,7 @@ def _reg_label(i: int, names: list[str | None]) -> str:
 def _check_not_rational(dtype: Any, what: str) -> None:
     if np.dtype(dtype) == R.OBJECT:
         raise CheckpointError(
-            f"{what} holds exact rationals (object dtype); checkpoints of exact rational parameters are not supported. "
-            "Convert the values to a float dtype first (or pickle them yourself)"
+            f"{what} holds exact rationals (object dtype); checkpoints of exact rational parameters are not supported. Convert the values to a float dtype first (or pickle them yourself)"
         )
 
 
@@ -196,8 +189,7 @@ def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str |
         if j is None:
             rec = next((p for p in optimizer.records if p.storage is st), st)
             raise CheckpointError(
-                f"the optimizer's slot {k} updates {rec!r}, which is not among the parameters being {verb}; "
-                "pass every parameter the optimizer updates (e.g. the same list / module the optimizer was built from)"
+                f"the optimizer's slot {k} updates {rec!r}, which is not among the parameters being {verb}; pass every parameter the optimizer updates (e.g. the same list / module the optimizer was built from)"
             )
         out.append(j)
     return out
@@ -207,8 +199,7 @@ def _check_opt_current(optimizer: Any) -> None:
     now = canonical_indices([p.storage for p in optimizer.records])
     if now != optimizer.alias_layout:
         raise CheckpointError(
-            "the optimizer's alias layout changed since it was built (its parameters were re-tied); "
-            "call optimizer.reinit() before saving or restoring"
+            "the optimizer's alias layout changed since it was built (its parameters were re-tied); call optimizer.reinit() before saving or restoring"
         )
 
 
@@ -219,6 +210,53 @@ def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
 
 
 # --------------------------------------------------------------------------- save
+
+_OWN_ENTRIES = frozenset({_META, _PARAMS, _OPT, _ORBAX_MARKER, "commit_success.txt"})
+
+
+def _sibling(path: str, kind: str, sid: str) -> str:
+    """Where save ``sid`` stages the new checkpoint (``kind`` "tmp") or moves the one it replaces ("old")."""
+    return f"{path}.tapeflow-{kind}-{sid}"
+
+
+def _siblings(path: str) -> list[tuple[str, str, str]]:
+    """(path, kind, save id) of each staging sibling of ``path``; kind "orbax-tmp": a "tmp" orbax never finished."""
+    parent, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.tapeflow-(tmp|old)-([0-9a-f]{12})(\.orbax-checkpoint-tmp.*)?")
+    found = [m for n in sorted(os.listdir(parent)) if (m := pattern.fullmatch(n))] if os.path.isdir(parent) else []
+    return [(os.path.join(parent, m[0]), "orbax-tmp" if m[3] else m[1], m[2]) for m in found]
+
+
+def _recover(path: str) -> str:
+    """Finish the swap of a :func:`save` killed between its two renames; returns the directory holding ``path``."""
+    sibs = [] if os.path.lexists(path) else _siblings(path)
+    halfway = [t for t, kind, sid in sibs if kind == "tmp" and (_sibling(path, "old", sid), "old", sid) in sibs]
+    if halfway:
+        try:
+            os.rename(halfway[0], path)
+        except OSError:  # e.g. a read-only directory: read the new checkpoint where it is
+            return path if os.path.lexists(path) else halfway[0]
+    return path
+
+
+def _check_replaceable(path: str) -> None:
+    """Refuse ``overwrite=True`` unless ``path`` is an empty directory or a tapeflow checkpoint and nothing else."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        found = f"it is a {'symbolic link' if os.path.islink(path) else 'file'}, not a checkpoint directory"
+    elif entries := sorted(os.listdir(path)):
+        try:
+            ours = os.path.isfile(os.path.join(path, _ORBAX_MARKER)) and _load_meta(path) is not None
+        except CheckpointError:
+            ours = False
+        if not (extra := [e for e in entries if e not in _OWN_ENTRIES]) and ours:
+            return
+        found = f"it is a tapeflow checkpoint but also holds {', '.join(extra[:5])}, which overwriting would delete"
+        found = found if ours else f"it is not a checkpoint written by tfl.save (it holds {', '.join(entries[:5])})"
+    else:
+        return
+    raise CheckpointError(
+        f"refusing to overwrite {path}: {found}; overwrite=True replaces only a tapeflow checkpoint that holds nothing else (or an empty directory). Move your files out of it, remove it yourself, or choose another path"
+    )
 
 
 def save(
@@ -236,8 +274,14 @@ def save(
     ``parameter_records()``. ``optimizer``: a :class:`~tapeflow.Optimizer` whose
     parameters are among them. ``session``: a :class:`~tapeflow.Session` whose
     seed and RNG counter are saved. ``overwrite=False`` refuses an existing path;
-    ``overwrite=True`` replaces an existing checkpoint only after the new one is
-    complete.
+    ``overwrite=True`` replaces only a tapeflow checkpoint that holds nothing
+    else (or an empty directory), atomically: the new checkpoint is written in
+    full to ``path.tapeflow-tmp-ID``, then ``path`` is renamed to
+    ``path.tapeflow-old-ID`` and the new one to ``path``. Both ``save`` and
+    :func:`restore` first finish a swap killed between those renames (the new
+    checkpoint is complete, so it moves into place): a kill at any instant leaves
+    ``path`` restorable as exactly the old or the new checkpoint. ``save`` then
+    removes the staging directories that killed saves to ``path`` left behind.
 
     >>> import tempfile, os, jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.ones(2), name="w")
@@ -255,16 +299,11 @@ def save(
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)
+    _recover(path)
     if os.path.lexists(path):
         if not overwrite:
             raise CheckpointError(f"checkpoint path {path} already exists; pass overwrite=True to replace it")
-        if not (os.path.isdir(path) and not os.path.islink(path)) or (
-            os.listdir(path) and not os.path.exists(os.path.join(path, _ORBAX_MARKER))
-        ):
-            raise CheckpointError(
-                f"refusing to overwrite {path}: it is not a checkpoint directory (nor an empty directory); "
-                "choose another path or remove it yourself"
-            )
+        _check_replaceable(path)
 
     layout = _layout(regs)
     arrays: dict[str, dict[str, jax.Array | np.ndarray]] = {_PARAMS: {}, _OPT: {}}
@@ -311,29 +350,28 @@ def save(
     for item, tree in arrays.items():
         if tree:
             items[item] = ocp.args.StandardSave(tree)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    replacing = os.path.lexists(path)
-    target = f"{path}.tapeflow-tmp-{uuid.uuid4().hex[:12]}" if replacing else path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for leftover, *_ in _siblings(path):  # staging directories of killed saves
+        shutil.rmtree(leftover, ignore_errors=True)
+    sid = uuid.uuid4().hex[:12]
+    tmp, old = _sibling(path, "tmp", sid), _sibling(path, "old", sid)
     try:
         with _checkpointer() as ck:
-            ck.save(target, args=ocp.args.Composite(**items))
+            ck.save(tmp, args=ocp.args.Composite(**items))
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+            return
+        os.rename(path, old)  # a kill from here until _recover's rename leaves the half-done swap _recover finishes
     except Exception as e:
-        if replacing:
-            shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"saving the checkpoint to {path} failed ({_short(e)}); no checkpoint was written (an existing one is left as it was)"
         ) from e
-    if replacing:
-        old = f"{path}.tapeflow-old-{uuid.uuid4().hex[:12]}"
-        os.rename(path, old)
-        try:
-            os.rename(target, path)
-        except BaseException:
-            os.rename(old, path)
-            shutil.rmtree(target, ignore_errors=True)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+    if _recover(path) != path:
+        os.rename(old, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not move the new checkpoint into {path}; the existing one is left as it was")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- restore
@@ -349,8 +387,7 @@ def _load_meta(path: str) -> CheckpointMeta:
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory; tfl.save writes a checkpoint directory")
     if not os.path.isdir(os.path.join(path, _META)):
         raise CheckpointError(
-            f"checkpoint at {path} is corrupted or incomplete: the '{_META}' item is missing "
-            "(not a tapeflow checkpoint, or an interrupted copy); re-save it or restore from an intact copy"
+            f"checkpoint at {path} is corrupted or incomplete: the '{_META}' item is missing (not a tapeflow checkpoint, or an interrupted copy); re-save it or restore from an intact copy"
         )
     ocp = _ocp()
     try:
@@ -372,8 +409,7 @@ def _check_params(path: str, meta: CheckpointMeta, names: list[str | None], regs
     saved_names = [r.name for r in saved]
     if len(saved) != len(regs):
         raise CheckpointError(
-            f"checkpoint at {path} has {len(saved)} parameter registrations, the destination has {len(regs)}; "
-            "construct the destination exactly as the saved model (same parameters, ties and order)"
+            f"checkpoint at {path} has {len(saved)} parameter registrations, the destination has {len(regs)}; construct the destination exactly as the saved model (same parameters, ties and order)"
         )
     layout, saved_layout = list(_layout(regs)), list(meta.alias_layout)
     for i, (r, p) in enumerate(zip(saved, regs)):
@@ -381,25 +417,19 @@ def _check_params(path: str, meta: CheckpointMeta, names: list[str | None], regs
         _check_not_rational(p.dtype, f"destination {label}")
         if keyed and meta.keyed and r.name != names[i]:
             raise CheckpointError(
-                f"{label} is named {names[i]!r} in the destination but {r.name!r} in the checkpoint at {path}; "
-                "construct the destination with the same parameter names and order as the saved model"
+                f"{label} is named {names[i]!r} in the destination but {r.name!r} in the checkpoint at {path}; construct the destination with the same parameter names and order as the saved model"
             )
         if layout[i] != saved_layout[i]:
             raise CheckpointError(
-                f"alias layout differs at {label}: in the checkpoint at {path} it is "
-                f"{_layout_desc(saved_layout[i], i, saved_names)}, in the destination it is "
-                f"{_layout_desc(layout[i], i, names)} (checkpoint layout {saved_layout}, destination {layout}); "
-                "tie the destination's parameters (tfl.tie) exactly as in the saved model"
+                f"alias layout differs at {label}: in the checkpoint at {path} it is {_layout_desc(saved_layout[i], i, saved_names)}, in the destination it is {_layout_desc(layout[i], i, names)} (checkpoint layout {saved_layout}, destination {layout}); tie the destination's parameters (tfl.tie) exactly as in the saved model"
             )
         if r.shape != tuple(p.shape):
             raise CheckpointError(
-                f"shape differs at {label}: checkpoint {r.shape}, destination {p.shape}; "
-                "construct the destination with the saved model's shapes"
+                f"shape differs at {label}: checkpoint {r.shape}, destination {p.shape}; construct the destination with the saved model's shapes"
             )
         if r.dtype != p.dtype:
             raise CheckpointError(
-                f"dtype differs at {label}: checkpoint {r.dtype.name}, destination {p.dtype.name}; "
-                "construct the destination with the saved dtypes (restore never casts)"
+                f"dtype differs at {label}: checkpoint {r.dtype.name}, destination {p.dtype.name}; construct the destination with the saved dtypes (restore never casts)"
             )
 
 
@@ -410,21 +440,18 @@ def _check_optimizer(
     om = meta.optimizer
     if om is None:
         raise CheckpointError(
-            f"checkpoint at {path} holds no optimizer state, but an optimizer was given; "
-            "pass optimizer=None (and start it fresh), or restore a checkpoint saved with its optimizer"
+            f"checkpoint at {path} holds no optimizer state, but an optimizer was given; pass optimizer=None (and start it fresh), or restore a checkpoint saved with its optimizer"
         )
     _check_opt_current(optimizer)
     ol, sl = list(om.alias_layout), optimizer.alias_layout
     if ol != sl:
         if len(ol) != len(sl):
             raise CheckpointError(
-                f"the optimizer covers {len(sl)} registrations, the one in the checkpoint at {path} covered {len(ol)}; "
-                "build the optimizer over the same parameters as the saved one"
+                f"the optimizer covers {len(sl)} registrations, the one in the checkpoint at {path} covered {len(ol)}; build the optimizer over the same parameters as the saved one"
             )
         k = next(i for i, (a, b) in enumerate(zip(ol, sl)) if a != b)
         raise CheckpointError(
-            f"the optimizer's alias layout differs at its registration {k}: checkpoint {ol}, destination {sl}; "
-            "build the optimizer over parameters tied exactly as in the saved model"
+            f"the optimizer's alias layout differs at its registration {k}: checkpoint {ol}, destination {sl}; build the optimizer over parameters tied exactly as in the saved model"
         )
     slot_regs, saved_slots = _opt_slot_registrations(optimizer, regs, names, "restored"), list(om.slot_registrations)
     if slot_regs != saved_slots:
@@ -432,9 +459,7 @@ def _check_optimizer(
             (i for i, (a, b) in enumerate(zip(slot_regs, saved_slots)) if a != b), min(len(slot_regs), len(saved_slots))
         )
         raise CheckpointError(
-            f"the optimizer's slot {k} maps to a different parameter: checkpoint slots update registrations "
-            f"{saved_slots}, destination slots update {slot_regs}; build the optimizer over the "
-            "parameters in the same order as the saved one"
+            f"the optimizer's slot {k} maps to a different parameter: checkpoint slots update registrations {saved_slots}, destination slots update {slot_regs}; build the optimizer over the parameters in the same order as the saved one"
         )
     treedef, leaves, paths = _opt_leaves(optimizer)
     saved_leaves = om.leaves
@@ -444,16 +469,13 @@ def _check_optimizer(
         dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
         if lm.path != kp or lm.shape != shape or lm.dtype != dtype:
             raise CheckpointError(
-                f"optimizer state structure differs from the checkpoint at {path} at state leaf {j}: checkpoint has "
-                f"{lm.path or '<root>'} {_spec_str(lm.shape, lm.dtype)}, destination has {kp or '<root>'} "
-                f"{_spec_str(shape, dtype)}; {fix}"
+                f"optimizer state structure differs from the checkpoint at {path} at state leaf {j}: checkpoint has {lm.path or '<root>'} {_spec_str(lm.shape, lm.dtype)}, destination has {kp or '<root>'} {_spec_str(shape, dtype)}; {fix}"
             )
     if len(saved_leaves) != len(leaves):
         j = min(len(saved_leaves), len(leaves))
         extra = f"checkpoint leaf {saved_leaves[j].path}" if j < len(saved_leaves) else f"destination leaf {paths[j]}"
         raise CheckpointError(
-            f"optimizer state structure differs from the checkpoint at {path}: it has {len(saved_leaves)} state leaves, "
-            f"the destination has {len(leaves)} (first unmatched: {extra}); {fix}"
+            f"optimizer state structure differs from the checkpoint at {path}: it has {len(saved_leaves)} state leaves, the destination has {len(leaves)} (first unmatched: {extra}); {fix}"
         )
     # The treedef string also tells apart containers and state classes with equal leaf paths
     # (e.g. adam vs. adamw); its text is only comparable within one jax version.
@@ -463,9 +485,7 @@ def _check_optimizer(
         lo, hi = max(0, at - 40), at + 60
         pre = "..." if lo else ""
         raise CheckpointError(
-            f"optimizer state structure differs from the checkpoint at {path} (state treedef, first difference at "
-            f"character {at}: checkpoint {pre}{a[lo:hi]}{'...' if hi < len(a) else ''}, destination "
-            f"{pre}{b[lo:hi]}{'...' if hi < len(b) else ''}); {fix}"
+            f"optimizer state structure differs from the checkpoint at {path} (state treedef, first difference at character {at}: checkpoint {pre}{a[lo:hi]}{'...' if hi < len(a) else ''}, destination {pre}{b[lo:hi]}{'...' if hi < len(b) else ''}); {fix}"
         )
     return om, treedef, leaves
 
@@ -493,8 +513,7 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
     for item in wanted:
         if not os.path.isdir(os.path.join(path, item)):
             raise CheckpointError(
-                f"checkpoint at {path} is corrupted or incomplete: its '{item}' item is missing; "
-                "re-save it or restore from an intact copy"
+                f"checkpoint at {path} is corrupted or incomplete: its '{item}' item is missing; re-save it or restore from an intact copy"
             )
     ocp = _ocp()
     args = {
@@ -513,8 +532,7 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
     except Exception as e:
         msg = _short(e)
         raise CheckpointError(
-            f"checkpoint at {path} is corrupted or incomplete: its array data could not be read "
-            f"({msg}); re-save it or restore from an intact copy"
+            f"checkpoint at {path} is corrupted or incomplete: its array data could not be read ({msg}); re-save it or restore from an intact copy"
         ) from e
     out: dict[str, jax.Array] = {}
     for item, w in wanted.items():
@@ -523,19 +541,15 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
             v = got.get(k) if isinstance(got, Mapping) else None
             if v is None:
                 raise CheckpointError(
-                    f"checkpoint at {path} is corrupted or incomplete: the array for {what} is missing; "
-                    "re-save it or restore from an intact copy"
+                    f"checkpoint at {path} is corrupted or incomplete: the array for {what} is missing; re-save it or restore from an intact copy"
                 )
             if tuple(np.shape(v)) != tuple(shape) or np.dtype(v.dtype) != dtype:
                 raise CheckpointError(
-                    f"checkpoint at {path} is corrupted: the array for {what} reads back as "
-                    f"{_spec_str(np.shape(v), v.dtype)}, its metadata says {_spec_str(shape, dtype)}; "
-                    "re-save it or restore from an intact copy"
+                    f"checkpoint at {path} is corrupted: the array for {what} reads back as {_spec_str(np.shape(v), v.dtype)}, its metadata says {_spec_str(shape, dtype)}; re-save it or restore from an intact copy"
                 )
             if _digest(v) != digest:
                 raise CheckpointError(
-                    f"checkpoint at {path} is corrupted: the data of {what} does not match the digest recorded at "
-                    "save time; re-save it or restore from an intact copy"
+                    f"checkpoint at {path} is corrupted: the data of {what} does not match the digest recorded at save time; re-save it or restore from an intact copy"
                 )
             out[k] = v
     return out
@@ -554,7 +568,7 @@ def restore(
     first one and nothing changes. Then each parameter storage is written once,
     ``optimizer.state`` is replaced and the session's seed and RNG counter are set.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _recover(os.path.abspath(os.fspath(path)))
     names, regs, keyed = _registrations(params_or_module)
     meta = _load_meta(path)
     _check_params(path, meta, names, regs, keyed)
