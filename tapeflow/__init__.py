@@ -76,7 +76,7 @@ from ._functions import (  # every public op, generated from the registry, plus 
 from ._grads import Grads, ParameterGroup
 from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices, tie
-from ._registry import REGISTRY, OpDef, clear_kernel_caches, kernel_cache_info, ops
+from ._registry import REGISTRY, OpDef, clear_kernel_caches, kernel_cache_info, ops, set_kernel_cache_size
 from ._result import Err, Ok, Result, TapeError
 from ._session import RationalFallbackWarning, Session
 from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
@@ -161,6 +161,7 @@ __all__ = [
     "save",
     "scaled_dot_product_attention",
     "scatter_add",
+    "set_kernel_cache_size",
     "sigmoid",
     "sin",
     "softmax",

@@ -226,7 +226,7 @@ def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str
     return None
 
 
-@op("clamp", arity=1, attrs={"lo": None, "hi": None}, check=_clamp_check)
+@op("clamp", arity=1, attrs={"lo": None, "hi": None}, check=_clamp_check, runtime=("lo", "hi"))
 def clamp(x: Array, lo: float | None, hi: float | None) -> Array:
     """Clip ``x`` to ``[lo, hi]`` (either bound may be None); gradient passes inside the range."""
     return jnp.clip(x, lo, hi)

@@ -159,7 +159,7 @@ def _layer_norm_stats(x: Array, axes: tuple[int, ...], eps: float) -> tuple[Arra
     return xc * rstd, rstd
 
 
-@op("layer_norm", arity=(1, 3), attrs={"axis": -1, "eps": 1e-5}, check=_layer_norm_check)
+@op("layer_norm", arity=(1, 3), attrs={"axis": -1, "eps": 1e-5}, check=_layer_norm_check, runtime=("eps",))
 def layer_norm(x: Array, weight: Array = None, bias: Array = None, *, axis: Axes, eps: float) -> Array:
     """Layer normalization ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
 
@@ -537,6 +537,7 @@ def _attention_probs(q: Array, k: Array, mask: Array, scale: Any, causal: bool) 
     nondiff=(3,),
     check=_attention_check,
     aliases=("scaled_dot_product_attention",),
+    runtime=("scale",),
 )
 def attention(q: Array, k: Array, v: Array, mask: Array = None, *, scale: float | None, causal: bool) -> Array:
     """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.

@@ -1,8 +1,17 @@
-"""Compiled random draws for session random tensors, cached per (kind, shape, dtype).
+"""Compiled random draws for session random tensors, one kernel per (kind name, shape, dtype).
+
+The floats of a kind (``p``, ``low``, ``high``) are traced arguments of that
+kernel, keyed by their types only, so drawing with a new rate compiles nothing.
+The kernels live in the bounded LRU ``_KERNELS`` (``"random"`` in
+:func:`~tapeflow.kernel_cache_info`).
 
 >>> import jax, numpy as np
 >>> draw(("normal",), (2,), np.dtype("float32"), jax.random.PRNGKey(0)).shape
 (2,)
+>>> a = draw(("bernoulli", 0.25), (3,), None, jax.random.PRNGKey(0))
+>>> b = draw(("bernoulli", 0.75), (3,), None, jax.random.PRNGKey(0))
+>>> len([k for k in _KERNELS if k[0] == "bernoulli" and k[2] == (3,)])
+1
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ._registry import KernelCache
 from ._result import TapeError
 from ._typing import Array, PRNGKey, Shape
 
@@ -20,36 +30,30 @@ __all__ = ["RNG_COUNTER_RANGE", "RNG_SEED_RANGE", "draw", "rng_int"]
 RandomKind = tuple[str] | tuple[str, float] | tuple[str, float, float]
 """``("normal",)``, ``("bernoulli", p)`` or ``("uniform", low, high)``."""
 
-_KERNELS: dict[tuple[RandomKind, Shape, np.dtype | None], Callable[[PRNGKey], Array]] = {}
+DrawKey = tuple[str, tuple[type, ...], Shape, "np.dtype | None"]
+"""``(kind name, types of the kind's floats, shape, dtype)``: one compiled draw."""
+
+_KERNELS = KernelCache("random")
 
 
-def _kernel(kind: RandomKind, shape: Shape, dtype: np.dtype | None) -> Callable[[PRNGKey], Array]:
-    key = (kind, shape, dtype)
-    fn = _KERNELS.get(key)
+def _kernel(name: str, types: tuple[type, ...], shape: Shape, dtype: np.dtype | None) -> Callable[..., Array]:
+    key: DrawKey = (name, types, shape, dtype)
+    fn: Callable[..., Array] | None = _KERNELS.hit(key)
     if fn is None:
-        name = kind[0]
         if name == "uniform":
-            lo, hi = kind[1], kind[2]  # type: ignore[misc]
-
-            def f(k: PRNGKey) -> Array:
-                return jax.random.uniform(k, shape, dtype, lo, hi)
+            fn = jax.jit(lambda k, lo, hi: jax.random.uniform(k, shape, dtype, lo, hi))
         elif name == "normal":
-
-            def f(k: PRNGKey) -> Array:
-                return jax.random.normal(k, shape, dtype)
+            fn = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
         else:
-            p = kind[1]  # type: ignore[misc]
-
-            def f(k: PRNGKey) -> Array:
-                return jax.random.bernoulli(k, p, shape)
-
-        fn = _KERNELS[key] = jax.jit(f)
+            fn = jax.jit(lambda k, p: jax.random.bernoulli(k, p, shape))
+        _KERNELS.put(key, fn)
     return fn
 
 
 def draw(kind: RandomKind, shape: Shape, dtype: np.dtype | None, key: PRNGKey) -> Array:
     """One draw of ``kind`` with ``shape`` and ``dtype`` from ``key``."""
-    return _kernel(kind, shape, dtype)(key)
+    params = kind[1:]
+    return _kernel(kind[0], tuple(map(type, params)), shape, dtype)(key, *params)
 
 
 RNG_SEED_RANGE = (-(2**63), 2**63)

@@ -29,7 +29,8 @@ builds ``tfl.<op>`` from exactly that.
 Forward and VJP kernels are ``jax.jit``-compiled and cached per
 ``(op, attrs, shapes, dtypes)`` (plus, for VJPs, which inputs need a gradient),
 so recording an op in eager mode costs one compiled dispatch. Inside an outer
-``jax.jit`` the same kernels inline into the caller's trace.
+``jax.jit`` the same kernels inline into the caller's trace. Runtime attributes' values
+(:func:`op`'s ``runtime``) are passed traced: varying them compiles nothing. Caches are LRUs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal, TypeAlias
 
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._result import TapeError
 from ._typing import Array, Attrs, AttrValue, Shape
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "normalize_attrs",
     "op",
     "ops",
+    "set_kernel_cache_size",
 ]
 
 Spec = tuple[tuple[int, ...], np.dtype]
@@ -116,6 +120,7 @@ class OpDef:
     annotation text of each attribute, ``doc`` the one-line public summary and
     ``notes`` the rest of the forward's docstring. ``public=False`` ops get no
     ``tfl.<name>`` function; ``aliases`` are further names of that function.
+    ``runtime`` names the attributes passed to the kernels as traced scalars.
     """
 
     name: str
@@ -132,6 +137,7 @@ class OpDef:
     attr_types: Mapping[str, str] = dataclasses.field(default_factory=dict)
     public: bool = True
     aliases: tuple[str, ...] = ()
+    runtime: frozenset[str] = frozenset()
 
     @property
     def variadic(self) -> bool:
@@ -165,6 +171,7 @@ def op(
     check: Callable[..., str | None] | None = None,
     public: bool = True,
     aliases: Sequence[str] = (),
+    runtime: Sequence[str] = (),
 ) -> Callable[[Callable[..., Any]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
@@ -175,20 +182,24 @@ def op(
     gradient (labels, indices). ``exact`` marks ops whose forward and VJP are
     exact on rational object arrays. ``public=False`` keeps the op out of the
     ``tfl.<name>`` functions; ``aliases`` are further names for its function.
+    ``runtime`` lists attributes the output's shape and dtype never depend on: a
+    number given for one reaches the kernels traced (:func:`kernel_key`), so the
+    forward and VJP must not branch on it in Python.
     """
 
     def deco(fwd: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise ValueError(f"op {name!r} is already registered")
         defaults = dict(attrs or {})
+        if bad := sorted(set(runtime) - set(defaults)):
+            raise ValueError(f"op {name!r}: runtime={bad} names no attribute (attrs={list(defaults)})")
         operands, ar, attr_types = _read_signature(name, fwd, defaults)
         if arity is not None:
             lo, hi = (arity, arity) if isinstance(arity, int) else arity
             if (lo, hi) != ar and not (hi is None and ar[1] is None and lo >= ar[0]):
                 raise ValueError(f"op {name!r}: arity={arity!r} disagrees with the forward's operands {operands}")
             ar = (lo, hi)
-        doc = inspect.cleandoc(fwd.__doc__ or "")
-        summary, _, notes = doc.partition("\n\n")
+        summary, _, notes = inspect.cleandoc(fwd.__doc__ or "").partition("\n\n")
         d = OpDef(
             name=name,
             fwd=fwd,
@@ -203,6 +214,7 @@ def op(
             attr_types=attr_types,
             public=public,
             aliases=tuple(aliases),
+            runtime=frozenset(runtime),
         )
         REGISTRY[name] = d
         return d
@@ -214,12 +226,10 @@ def _read_signature(
     name: str, fwd: Callable[..., Any], attrs: Mapping[str, object]
 ) -> tuple[tuple[str, ...], tuple[int, int | None], dict[str, str]]:
     """Operand names, arity and attribute annotations from the forward's signature."""
-    P = inspect.Parameter
-    params = inspect.signature(fwd).parameters.values()
+    P, params = inspect.Parameter, inspect.signature(fwd).parameters.values()
     names: list[str] = []
-    n_opt = 0
-    variadic = False
     types: dict[str, str] = {}
+    n_opt, variadic = 0, False
     for p in params:
         if p.name in attrs:
             ann = p.annotation
@@ -241,11 +251,9 @@ def _read_signature(
     missing = [a for a in attrs if a not in types]
     if missing and not has_kwargs:
         raise ValueError(f"op {name!r}: the forward takes no attribute(s) {missing}")
-    for a in missing:
-        types[a] = "AttrValue"
     n = len(names)
     arity = (n - 1, None) if variadic else (n - n_opt, n)
-    return tuple(names), arity, {a: types[a] for a in attrs}
+    return tuple(names), arity, {a: types.get(a, "AttrValue") for a in attrs}
 
 
 def ops() -> list[str]:
@@ -259,13 +267,11 @@ def normalize_attrs(attrs: Mapping[str, object]) -> Attrs:
     Lists become tuples (recursively, as do tuples of lists), a slice becomes
     ``("slice", start, stop, step)``, a mapping becomes its sorted ``(key,
     value)`` pairs, a NumPy scalar becomes the equal Python scalar
-    (``np.int64(1) -> 1``, ``np.bool_(True) -> True``, ``np.float32(x) ->
-    float(x)``), and a ``dtype`` attribute given as anything ``np.dtype``
-    accepts becomes that ``np.dtype``. Other values pass through unchanged; one
-    that stays unhashable (a set, an array) makes hashing the result fail, and
-    the caller reports it. Values that are equal but of different Python types
-    (``True``, ``1``, ``1.0``) stay distinct: :func:`attr_key` keys caches by
-    value *and* type.
+    (``np.int64(1) -> 1``, ``np.float32(x) -> float(x)``), and a ``dtype``
+    attribute given as anything ``np.dtype`` accepts becomes that ``np.dtype``.
+    Other values pass through; an unhashable one (a set, an array) makes hashing
+    the result fail, for the caller to report. Equal values of different types
+    (``True``, ``1``, ``1.0``) stay distinct (:func:`attr_key` keys by type too).
 
     >>> normalize_attrs({"axis": [0, [1]], "dtype": "float32", "index": slice(1, None)})
     (('axis', (0, (1,))), ('dtype', dtype('float32')), ('index', ('slice', 1, None, None)))
@@ -276,6 +282,8 @@ def normalize_attrs(attrs: Mapping[str, object]) -> Attrs:
 
 
 def _normalize_value(name: str, v: object) -> AttrValue:
+    if type(v) in (float, int, bool, str, type(None)) and name != "dtype":
+        return v  # already canonical (the common case)
     if name == "dtype" and v is not None and not isinstance(v, np.dtype):
         try:
             return np.dtype(v)  # type: ignore[call-overload]
@@ -296,17 +304,15 @@ def _freeze_value(v: object) -> AttrValue:
     return v
 
 
-def attr_key(items: Iterable[tuple[str, object]]) -> tuple[tuple[Any, ...], ...]:
+def attr_key(items: Iterable[tuple[str, object]]) -> KernelKey:
     """The kernel-cache key of attributes ``items`` (``(name, value)`` pairs): sorted by name, typed.
 
-    Each value is keyed together with its exact type, recursively through tuples,
-    so ``True``, ``1``, ``1.0`` and ``np.int64(1)`` are four different keys
-    although Python hashes them alike: whether an attribute is accepted never
-    depends on which equal value was cached first. It is the one key used by
-    ``record``'s fast path, :func:`~tapeflow._tape.check_op` and :func:`get_fwd`
-    (which keys the :func:`normalize_attrs` form, so a raw value that differs
-    from its canonical form just misses the fast path). An unhashable value
-    makes hashing the key fail.
+    Each value is keyed with its exact type, recursively through tuples, so
+    ``True``, ``1``, ``1.0`` and ``np.int64(1)`` are four keys although Python
+    hashes them alike: whether an attribute is accepted never depends on which
+    equal value was cached first. ``record``'s fast path and
+    :func:`~tapeflow._tape.check_op` key raw attributes with it; :func:`get_fwd`
+    keys the :func:`normalize_attrs` form (:func:`kernel_key`).
 
     >>> attr_key({"axis": True}.items()) == attr_key({"axis": 1}.items())
     False
@@ -334,10 +340,60 @@ def _typed_tuple(v: tuple[Any, ...]) -> tuple[Any, ...]:
 
 # --------------------------------------------------------------------------- kernels
 
+KernelKey: TypeAlias = tuple[tuple[Any, ...], ...]  # the attributes' part of a kernel-cache key
+RuntimeValues: TypeAlias = dict[str, Any]  # runtime attribute values: traced keyword arguments of a kernel
 
-@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+
+def kernel_key(
+    d: OpDef, items: Sequence[tuple[str, AttrValue]], traced: Container[str] | None = None
+) -> tuple[KernelKey, RuntimeValues]:
+    """:func:`attr_key` of op ``d``'s attributes ``items``, less the values of runtime attributes.
+
+    A float or int32-range int given for a runtime attribute (``traced``, default ``d.runtime``)
+    is keyed by a ``(name, type)`` pair and returned to pass to the kernel.
+
+    >>> kernel_key(REGISTRY["clamp"], (("hi", None), ("lo", 0.5)))
+    ((('hi', <class 'NoneType'>, None), ('lo', <class 'float'>)), {'lo': 0.5})
+    """
+    runtime = d.runtime if traced is None else traced
+    rt = {k: v for k, v in items if k in runtime and (type(v) is float or (type(v) is int and -(2**31) <= v < 2**31))}
+    if not rt:
+        return attr_key(items), rt
+    return tuple(sorted([*attr_key([i for i in items if i[0] not in rt]), *((k, type(v)) for k, v in rt.items())])), rt
+
+
+class KernelCache(OrderedDict[Any, Any]):
+    """An LRU cache of kernels, counted as ``name`` by :func:`kernel_cache_info`; ``hit`` is a ``get``
+    that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`."""
+
+    __slots__ = ("evictions",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.evictions = 0
+        _CACHES[name] = self
+
+    def hit(self, key: Any) -> Any:
+        v = self.get(key)
+        if v is not None:
+            try:  # noqa: SIM105 (contextlib.suppress would cost a context manager per hit)
+                self.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile: still a valid kernel
+                pass
+        return v
+
+    def put(self, key: Any, value: Any) -> None:
+        self[key] = value
+        self.trim()
+
+    def trim(self) -> None:
+        while len(self) > _max_size and self.popitem(last=False):
+            self.evictions += 1
+
+
+@dataclasses.dataclass(eq=False, slots=True)
 class FwdEntry:
-    """A checked, compiled forward for one cache key."""
+    """A checked, compiled forward for one cache key; never mutated (not frozen: cheaper to create)."""
 
     fn: Callable[..., Any]
     shape: tuple[int, ...]
@@ -346,39 +402,71 @@ class FwdEntry:
     diff: tuple[int, ...]  # input positions that can carry a gradient
     differentiable: bool  # output dtype can carry a gradient
     spec: Spec = ((), OBJECT)  # (shape, dtype) of the output, shared by every node it makes
+    runtime: tuple[str, ...] = ()  # attributes ``fn`` takes as keyword arguments
 
 
-_FWD_CACHE: dict[Any, FwdEntry] = {}
-_VJP_CACHE: dict[Any, Callable[..., Any]] = {}
-_JIT_FWD: dict[Any, Callable[..., Any]] = {}
+_max_size = DEFAULT_KERNEL_CACHE_SIZE = 4096
+_CACHES: dict[str, KernelCache] = {}
+_FWD_CACHE = KernelCache("fwd")
+_VJP_CACHE = KernelCache("vjp")
+_JIT_FWD = KernelCache("fwd_jit")  # one jitted forward per (op, attrs), shared by its shapes
 
 
 def kernel_cache_info() -> dict[str, int]:
-    """Number of cached forward and VJP kernels (keys: ``"fwd"``, ``"vjp"``).
+    """Entries per kernel cache (``"fwd"``, ``"vjp"``, ``"fwd_jit"``: per op and attrs, ``"random"``: draws),
+    their bound (``"max_size"``) and the ``"evictions"`` since the last :func:`clear_kernel_caches`.
 
     >>> import tapeflow as tfl
     >>> sorted(tfl.kernel_cache_info())
-    ['fwd', 'vjp']
+    ['evictions', 'fwd', 'fwd_jit', 'max_size', 'random', 'vjp']
     """
-    return {"fwd": len(_FWD_CACHE), "vjp": len(_VJP_CACHE)}
+    info = {name: len(c) for name, c in _CACHES.items()}
+    return {**info, "max_size": _max_size, "evictions": sum(c.evictions for c in _CACHES.values())}
+
+
+def set_kernel_cache_size(max_size: int) -> int:
+    """Keep at most ``max_size`` entries (default 4096) in each kernel cache; returns the previous bound.
+
+    Beyond it, the least recently used kernels are dropped (at once when
+    shrinking) and compiled again on their next use.
+
+    >>> import tapeflow as tfl
+    >>> old = tfl.set_kernel_cache_size(256)
+    >>> tfl.kernel_cache_info()["max_size"], tfl.set_kernel_cache_size(old)
+    (256, 256)
+    """
+    global _max_size
+    if not isinstance(max_size, (int, np.integer)) or isinstance(max_size, (bool, np.bool_)) or max_size < 1:
+        raise TapeError(
+            f"set_kernel_cache_size: max_size must be a positive int (kernels kept per cache), got {max_size!r}; "
+            f"e.g. tfl.set_kernel_cache_size({DEFAULT_KERNEL_CACHE_SIZE})"
+        )
+    old, _max_size = _max_size, int(max_size)
+    for c in _CACHES.values():
+        c.trim()
+    return old
 
 
 def clear_kernel_caches() -> None:
-    """Drop every cached kernel (they are rebuilt on next use)."""
-    _FWD_CACHE.clear()
-    _VJP_CACHE.clear()
-    _JIT_FWD.clear()
+    """Drop every cached kernel (they are rebuilt on next use) and zero the eviction count."""
+    for c in _CACHES.values():
+        c.clear()
+        c.evictions = 0
 
 
 def _attr_error(d: OpDef, attrs: Mapping[str, AttrValue]) -> str | None:
-    unknown = sorted(set(attrs) - set(d.defaults))
-    if unknown:
-        allowed = ", ".join(sorted(d.defaults)) or "none"
-        return f"unknown attribute(s) {', '.join(unknown)}; allowed: {allowed}"
-    missing = sorted(k for k, v in d.defaults.items() if v is REQUIRED and k not in attrs)
-    if missing:
+    if unknown := sorted(set(attrs) - set(d.defaults)):
+        return f"unknown attribute(s) {', '.join(unknown)}; allowed: {', '.join(sorted(d.defaults)) or 'none'}"
+    if missing := sorted(k for k, v in d.defaults.items() if v is REQUIRED and k not in attrs):
         return f"missing required attribute(s) {', '.join(missing)}"
     return None
+
+
+def _check_error(d: OpDef, specs: tuple[Spec, ...], full: Mapping[str, AttrValue]) -> str | None:
+    try:
+        return None if d.check is None else d.check(specs, **full)
+    except Exception as e:  # a check must not raise, but never let it escape
+        return f"invalid operands or attributes ({type(e).__name__}: {e})"
 
 
 def describe(specs: Sequence[Spec]) -> str:
@@ -386,74 +474,74 @@ def describe(specs: Sequence[Spec]) -> str:
 
 
 def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
-    """Check operands and compile the forward; return an entry or an error message."""
-    lo, hi = d.arity
-    n = len(specs)
+    """Check operands and compile the forward (given runtime attributes: keyword arguments of ``fn``), or say why not."""
+    (lo, hi), n = d.arity, len(specs)
     if n < lo or (hi is not None and n > hi):
         want = str(lo) if lo == hi else f"{lo} to {hi if hi is not None else 'any number of'}"
         return f"expects {want} operand(s), got {n}"
     given = dict(attrs)
-    msg = _attr_error(d, given)
-    if msg:
-        return msg
     full = {**d.defaults, **given}
-    if d.check is not None:
-        try:
-            msg = d.check(specs, **full)
-        except Exception as e:  # a check must not raise, but never let it escape
-            msg = f"invalid operands or attributes ({type(e).__name__}: {e})"
-        if msg:
-            return msg
+    if msg := _attr_error(d, given) or _check_error(d, specs, full):
+        return msg
     full_t = tuple(sorted(full.items()))
+    rt = kernel_key(d, attrs)[1]
+    static = {k: v for k, v in full.items() if k not in rt}
     diff = tuple(i for i in range(n) if i not in d.nondiff and is_float(specs[i][1]))
+    fwd = functools.partial(d.fwd, **static)
     if any(s[1] == OBJECT for s in specs):
         if not d.exact:
             exact_ops = ", ".join(k for k, v in sorted(REGISTRY.items()) if v.exact)
-            return (
-                "exact rational (object) operands are not supported by this op; "
-                f"ops that are exact on rationals: {exact_ops}"
-            )
-        return FwdEntry(functools.partial(d.fwd, **full), (), OBJECT, full_t, diff, True)
-    fwd = functools.partial(d.fwd, **full)
+            return f"exact rational (object) operands are not supported by this op; ops that are exact on rationals: {exact_ops}"
+        return FwdEntry(fwd, (), OBJECT, full_t, diff, True, runtime=tuple(rt))
     try:
-        out = jax.eval_shape(fwd, *(jax.ShapeDtypeStruct(s, t) for s, t in specs))
+        out = jax.eval_shape(fwd, *(jax.ShapeDtypeStruct(s, t) for s, t in specs), **rt)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"operands rejected by the forward ({type(e).__name__}: {first})"
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
-    jkey = (d.name, attr_key(full_t))
-    fn: Callable[..., Any] | None = _JIT_FWD.get(jkey)
+    jkey = (d.name, kernel_key(d, full_t, rt)[0])  # traced: the values given, not defaults
+    fn: Callable[..., Any] | None = _JIT_FWD.hit(jkey)
     if fn is None:
-        fn = _JIT_FWD[jkey] = jax.jit(fwd)
+        fn = jax.jit(fwd)
+        _JIT_FWD.put(jkey, fn)
     shape, dtype = tuple(out.shape), np.dtype(out.dtype)
-    return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype))
+    return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype), tuple(rt))
 
 
 def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
-    """Cached :func:`build_fwd` of normalized ``attrs``, keyed by :func:`attr_key`.
+    """Cached :func:`build_fwd` of normalized ``attrs``, keyed by :func:`kernel_key`, bound to runtime values.
 
-    Errors are not cached: a rejected call leaves the caches as they were.
+    A rejected call (never cached) leaves the caches as they were, LRU order included.
     """
-    key = (name, attr_key(attrs) if attrs else (), specs)
-    cached = _FWD_CACHE.get(key)
-    if cached is not None:
-        return cached
-    e = build_fwd(REGISTRY[name], attrs, specs)
-    if isinstance(e, FwdEntry):
-        _FWD_CACHE[key] = e
+    d = REGISTRY[name]
+    akey, rt = kernel_key(d, attrs) if attrs else ((), {})
+    key = (name, akey, specs)
+    e: FwdEntry | None = _FWD_CACHE.get(key)
+    if e is None:
+        built = build_fwd(d, attrs, specs)
+        if isinstance(built, str):
+            return built
+        _FWD_CACHE.put(key, e := built)
+    if e.runtime:  # check this call's values, then bind them
+        full = {**d.defaults, **dict(attrs)}
+        if msg := _check_error(d, specs, full):
+            return msg
+        fn = functools.partial(e.fn, **{k: full[k] for k in e.runtime})
+        e = FwdEntry(fn, e.shape, e.dtype, tuple(sorted(full.items())), e.diff, e.differentiable, e.spec)
+    _FWD_CACHE.hit(key)
     return e
 
 
 def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) -> Callable[..., Any]:
-    def vjp(g: Array, out: Array, *xs: Array) -> tuple[Array, ...]:
+    def vjp(g: Array, out: Array, *xs: Array, **rt: Any) -> tuple[Array, ...]:
         pos = [i for i, m in enumerate(mask) if m]
 
         def f(*dx: Array) -> Array:
             full = list(xs)
             for i, v in zip(pos, dx):
                 full[i] = v
-            return d.fwd(*full, **attrs)
+            return d.fwd(*full, **attrs, **rt)
 
         _, pull = jax.vjp(f, *(xs[i] for i in pos))
         return tuple(pull(g))
@@ -462,27 +550,25 @@ def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) 
 
 
 def get_vjp(name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Any]:
-    """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs`` for one key."""
-    key = (name, attr_key(attrs) if attrs else (), specs, mask)
-    fn = _VJP_CACHE.get(key)
+    """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs``, bound to runtime values in ``attrs``."""
+    d = REGISTRY[name]
+    akey, rt = kernel_key(d, attrs) if attrs else ((), {})
+    key = (name, akey, specs, mask)
+    fn = _VJP_CACHE.hit(key)
     if fn is None:
-        d = REGISTRY[name]
-        full = dict(attrs)
+        static = {k: v for k, v in attrs if k not in rt}
         if d.vjp is None:
-            body = _derived_vjp(d, full, mask)
+            body = _derived_vjp(d, static, mask)
         else:
             user = d.vjp
 
-            def body(g: Array, out: Array, *xs: Array) -> tuple[Array, ...]:
-                cts = user(g, out, *xs, **full)
+            def body(g: Array, out: Array, *xs: Array, **rt: Any) -> tuple[Array, ...]:
+                cts = user(g, out, *xs, **static, **rt)
                 return tuple(c for c, m in zip(cts, mask) if m)
 
-        if any(s[1] == OBJECT for s in specs):
-            fn = body
-        else:
-            fn = jax.jit(body)
-        _VJP_CACHE[key] = fn
-    return fn
+        fn = body if any(s[1] == OBJECT for s in specs) else jax.jit(body)
+        _VJP_CACHE.put(key, fn)
+    return functools.partial(fn, **rt) if rt else fn
 
 
 # --------------------------------------------------------------------------- helpers for op definitions

@@ -242,6 +242,20 @@ class Session:
         nd = self._tape[node_id]
         return Tensor(self, self._owner, self._generation, node_id, nd.shape, nd.dtype)
 
+    def handle(self, node_id: NodeId) -> Tensor:
+        """A handle of node ``node_id`` of the current recording (e.g. a parent of a node you hold).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> y = s.input(jnp.ones(2)) * 3.0
+        >>> [s.handle(i).op for i in y.node.parents]
+        [None, None]
+        """
+        self.check_thread()
+        if type(node_id) is not int or not 0 <= node_id < len(self._tape):
+            raise TapeError(f"Session.handle: no node {node_id!r} in this recording of {len(self._tape)} node(s)")
+        return self._handle(node_id)
+
     def check(self, h: Tensor) -> None:
         """Raise if ``h`` is not a live handle of this session."""
         check_handle(h, self)

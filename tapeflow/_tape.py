@@ -314,7 +314,7 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: AttrValue) -> tu
             else:
                 specs = tuple([nd.spec for nd in ins])
             try:
-                entry = _FWD_CACHE.get((op, _attr_key(attrs.items()) if attrs else (), specs))
+                entry = _fwd_hit((op, _attr_key(attrs.items()) if attrs else (), specs))
             except TypeError:  # unhashable attribute or op name
                 entry = None
     if entry is None or entry.dtype is R.OBJECT:
@@ -416,7 +416,7 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
         # fast path: attributes given in normalized form hit the cache as they are
         # (the key is typed: True, 1 and 1.0 never find each other's entry)
         try:
-            hit = _FWD_CACHE.get((op, _attr_key(attrs.items()), specs))
+            hit = _fwd_hit((op, _attr_key(attrs.items()), specs))
         except TypeError:  # unhashable: needs normalizing
             hit = None
         if hit is not None:
@@ -434,7 +434,7 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
     return entry
 
 
-_FWD_CACHE = R._FWD_CACHE
+_fwd_hit = R._FWD_CACHE.hit  # get, marking the entry most recently used
 _attr_key = R.attr_key
 _N_OKS = 1 << 14
 _OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shared
