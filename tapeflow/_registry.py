@@ -297,8 +297,8 @@ def _freeze_value(v: object) -> AttrValue:
         return tuple(_freeze_value(x) for x in v)
     if isinstance(v, slice):
         return ("slice", _freeze_value(v.start), _freeze_value(v.stop), _freeze_value(v.step))
-    if isinstance(v, Mapping):
-        return tuple(sorted((k, _freeze_value(x)) for k, x in v.items()))
+    if isinstance(v, Mapping):  # keys sorted by repr: keys of mixed types (1, "a") sort too
+        return tuple(sorted(((k, _freeze_value(x)) for k, x in v.items()), key=lambda kv: repr(kv[0])))
     if isinstance(v, (np.bool_, np.integer, np.floating)):
         return v.item()
     return v

@@ -890,11 +890,6 @@ class SessionFuzz(RuleBasedStateMachine):
             return
         except (TypeError, ValueError) as e:
             self.assert_unchanged(before, f"rejected {name}")
-            # KNOWN-BUG (finding 1): an attribute mapping whose keys do not sort ({1: 0, "a": 1}) escapes
-            # normalize_attrs as a bare TypeError instead of the documented TapeError (nothing changes).
-            mapping = any(isinstance(v, dict) for v in attrs.values())
-            if type(e) is TypeError and mapping and "not supported between instances" in str(e):
-                return
             assert weird, f"{name}: a rejected call raised {type(e).__name__}, not TapeError: {e}"
             return
         # accepted: one leaf per non-Tensor operand (in order), then the op node
