@@ -398,15 +398,17 @@ class TrainStep:
                 raise
         new_vals, new_state, counter, loss, aux, flags = out
         ok = None if flags is None else np.asarray(flags)
+        finite = ok is None or bool(ok.all())
         with deferred_interrupts():  # parameters, optimizer state and counters change together or not at all
             # one device: the trace checked shape and dtype, and the program leaves each value on the
             # device of the cell it read, so the unchecked fast write into that cell is exact
             opt.install(new_vals, new_state, exact=self.mesh is None)
             self._counter = counter
-            if ok is None or ok.all():
+            if finite:
                 self.step_count += 1
                 self._counter_step = self.step_count
-        if ok is not None and not ok.all():  # the program kept every old value
+        if not finite:  # the program kept every old value
+            assert ok is not None
             bad = int(np.argmin(ok))
             raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
         return (loss, aux) if self.has_aux else loss
