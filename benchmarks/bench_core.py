@@ -15,6 +15,15 @@
    50k and 100k appends: the time per append should stay flat (linear growth).
    The garbage collector stays on here, as in real use; its full collections
    over the growing heap make the per-append time creep up before levelling off.
+4. A lifted op vs the built-in: ``tfl.lift(jnp.tanh)`` recorded on a session
+   against ``tfl.tanh`` on (64, 256), per call (and the same two through the pure
+   core's ``tfl.record``). Target: the lifted op costs at most 1.1x the built-in.
+5. A Hessian-vector product of the MLP of 2 (tanh instead of relu, so the
+   curvature is not piecewise zero) with ``create_graph=True``: forward,
+   recorded backward, then forward-over-reverse (``s.jvp`` of the recorded
+   gradient) and reverse-over-reverse (a second ``backward`` of
+   ``sum(grad * v)``), against ``jax.jvp(jax.grad(f))`` unjitted and jitted.
+   The ratios are printed (no target: a reference point for the recorded backward).
 
 Timing is best-of-k: each of ``k`` repeats times ``n`` calls and the fastest
 repeat's mean per call is reported. Ratios and targets are printed, never asserted.
@@ -54,6 +63,7 @@ import tapeflow as tfl
 
 PER_OP_TARGET = 1.3
 MLP_TARGET = 10.0
+LIFT_TARGET = 1.1
 
 
 # --------------------------------------------------------------------------- timing
@@ -252,6 +262,110 @@ def bench_appends(total: int) -> list[tuple[int, float, float]]:
     return rows
 
 
+# --------------------------------------------------------------------------- 4. lifted op vs built-in
+
+
+def bench_lift(n: int, k: int) -> list[tuple[str, float, float]]:
+    """Per-call cost of a lifted ``jnp.tanh`` and of the built-in ``tanh``: on a session, on the pure core."""
+    lifted = tfl.lift(jnp.tanh, name="bench_lifted_tanh", replace=True)
+    v = jnp.asarray(np.random.default_rng(2).standard_normal((64, 256)), jnp.float32)
+    with tfl.Session() as s:  # the two ops agree before anything is timed
+        x = s.input(v, requires_grad=True)
+        a, b = lifted(x), tfl.tanh(x)
+        err = float(jnp.max(jnp.abs(s.backward(tfl.sum(a))[x] - s.backward(tfl.sum(b))[x])))
+        assert err < 1e-6 and bool(jnp.all(a.value == b.value)), err
+
+    def on_session(f: Any) -> Any:
+        def run() -> None:
+            with tfl.Session() as s:
+                x = s.input(v, requires_grad=True)
+                for _ in range(n):
+                    y = f(x)
+                y.value.block_until_ready()
+
+        return run
+
+    t0, i = tfl.leaf(tfl.Tape.empty(), v, requires_grad=True)
+
+    def on_tape(op: str) -> Any:
+        def run() -> None:
+            t = t0
+            for _ in range(n):
+                t, r = tfl.record(t, op, (i,))
+            t.value(r.value).block_until_ready()
+
+        return run
+
+    rows = []
+    for label, builtin, lift_run in (
+        ("session: f(x)", on_session(tfl.tanh), on_session(lifted)),
+        ("pure core: record", on_tape("tanh"), on_tape("bench_lifted_tanh")),
+    ):
+        builtin()
+        lift_run()
+        tb = tl = float("inf")
+        for _ in range(k):  # interleaved, to share the noise
+            tb = min(tb, min_of_k(builtin, 1, 1, warmup=0) / n)
+            tl = min(tl, min_of_k(lift_run, 1, 1, warmup=0) / n)
+        rows.append((label, tb, tl))
+    return rows
+
+
+# --------------------------------------------------------------------------- 5. Hessian-vector product
+
+
+def bench_hvp(n: int, k: int) -> tuple[float, float, float, float, float]:
+    """Per-HVP time: tape forward-over-reverse, tape reverse-over-reverse, jax unjitted, jax jitted; max error."""
+    rs = np.random.default_rng(3)
+    vals = mlp_params(rs)
+    x = jnp.asarray(rs.standard_normal((BATCH, SIZES[0])), jnp.float32)
+    vs = [jnp.asarray(rs.standard_normal(p.shape) * 0.1, jnp.float32) for p in vals]
+    params = [tfl.Param(p) for p in vals]
+
+    def plain(ps: list[jax.Array]) -> jax.Array:
+        h = x
+        for j in range(0, len(ps), 2):
+            h = h @ ps[j] + ps[j + 1]
+            if j + 2 < len(ps):
+                h = jnp.tanh(h)
+        return jnp.mean(h * h)
+
+    def tape_loss(s: tfl.Session) -> tfl.Tensor:
+        h: Any = s.input(x)
+        for j in range(0, len(params), 2):
+            h = h @ params[j] + params[j + 1]
+            if j + 2 < len(params):
+                h = tfl.tanh(h)
+        return tfl.mean(h * h)
+
+    def fwd_over_rev() -> list[jax.Array]:
+        with tfl.Session() as s:
+            g = s.backward(tape_loss(s), create_graph=True)
+            tangents = dict(zip(params, vs))
+            return [s.jvp(g[p], tangents) for p in params]
+
+    def rev_over_rev() -> list[jax.Array]:
+        with tfl.Session() as s:
+            g = s.backward(tape_loss(s), create_graph=True)
+            dot = tfl.sum(g[params[0]] * vs[0])
+            for p, v in zip(params[1:], vs[1:]):
+                dot = dot + tfl.sum(g[p] * v)
+            hv = s.backward(dot)
+            return [hv[p] for p in params]
+
+    def jax_hvp(ps: list[jax.Array], tv: list[jax.Array]) -> list[jax.Array]:
+        return jax.jvp(jax.grad(plain), (ps,), (tv,))[1]  # type: ignore[no-any-return]
+
+    jitted = jax.jit(jax_hvp)
+    want = jitted(vals, vs)
+    err = max(float(jnp.max(jnp.abs(a - b))) for got in (fwd_over_rev(), rev_over_rev()) for a, b in zip(got, want))
+
+    times = [
+        min_of_k(f, n, k) for f in (fwd_over_rev, rev_over_rev, lambda: jax_hvp(vals, vs), lambda: jitted(vals, vs))
+    ]
+    return times[0], times[1], times[2], times[3], err
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -294,6 +408,28 @@ def main() -> None:
         print(f"   {done:>9}{fmt(cum):>20}{fmt(win):>21}")
     growth = rows[-1][2] / rows[0][2]
     print(f"   last window / first window per-append time: {growth:.2f}x   (linear growth: about 1x)")
+
+    print()
+
+    print(f"4. lifted jnp.tanh (tfl.lift) vs built-in tanh on (64, 256), per call ({n_op} calls/repeat)")
+    print(f"   {'path':<26}{'built-in':>12}{'lifted':>12}{'ratio':>9}   target <= {LIFT_TARGET}x")
+    for label, tb, tl in bench_lift(n_op, k):
+        ratio = tl / tb
+        print(f"   {label:<26}{fmt(tb):>12}{fmt(tl):>12}{ratio:>8.2f}x   {verdict(ratio <= LIFT_TARGET)}")
+
+    print()
+    n_hvp = 3 if args.quick else 10
+    t_fr, t_rr, t_jax, t_jit, err = bench_hvp(n_hvp, k)
+    print(f"5. Hessian-vector product, MLP 784-256-256-10 (tanh), batch {BATCH} ({n_hvp} HVPs/repeat)")
+    print(f"   tape: create_graph + s.jvp (forward-over-reverse)   {fmt(t_fr)} / HVP")
+    print(f"   tape: create_graph + backward (reverse-over-reverse){fmt(t_rr)} / HVP")
+    print(f"   jax.jvp(jax.grad(f)) unjitted                       {fmt(t_jax)} / HVP")
+    print(f"   jax.jit(jax.jvp(jax.grad(f)))                       {fmt(t_jit)} / HVP")
+    print(f"   max |difference| tape vs jax                        {err:.2e}")
+    print(
+        f"   forward-over-reverse vs unjitted: {t_fr / t_jax:.2f}x, vs jitted: {t_fr / t_jit:.2f}x;  "
+        f"reverse-over-reverse vs unjitted: {t_rr / t_jax:.2f}x, vs jitted: {t_rr / t_jit:.2f}x"
+    )
 
     if args.profile or worst > PER_OP_TARGET:
         print()

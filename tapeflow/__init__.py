@@ -13,7 +13,9 @@ from . import (  # noqa: F401
     _ops_shape,
     nn,
 )
+from ._backward import backward, backward_graph
 from ._checkpoint import CheckpointError, restore, save
+from ._extend import defop, lift
 from ._functional import TrainStep, param_values, train_step, value_and_grad
 from ._functions import (  # every public op, generated from the registry, plus dropout
     abs,
@@ -74,13 +76,16 @@ from ._functions import (  # every public op, generated from the registry, plus 
     where,
 )
 from ._grads import Grads, ParameterGroup
+from ._jvp import jvp
+from ._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
 from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices, tie
-from ._registry import REGISTRY, OpDef, clear_kernel_caches, kernel_cache_info, ops, set_kernel_cache_size
+from ._registry import REGISTRY, OpDef, ops
+from ._remat import checkpoint
 from ._result import Err, Ok, Result, TapeError
 from ._session import RationalFallbackWarning, Session
-from ._tape import Node, Tape, backward, keep_tape_on_error, leaf, record
-from ._tensor import Tensor, apply, current_session, last_recorded_session
+from ._tape import Node, Tape, keep_tape_on_error, leaf, record
+from ._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
 
 __version__ = "0.1.0"
 
@@ -96,6 +101,7 @@ __all__ = [
     "Param",
     "ParameterGroup",
     "RationalFallbackWarning",
+    "RemovableHandle",
     "Result",
     "Session",
     "Storage",
@@ -111,8 +117,10 @@ __all__ = [
     "attention",
     "avg_pool2d",
     "backward",
+    "backward_graph",
     "broadcast_to",
     "canonical_indices",
+    "checkpoint",
     "clamp",
     "clear_kernel_caches",
     "concat",
@@ -120,6 +128,7 @@ __all__ = [
     "cos",
     "cross_entropy",
     "current_session",
+    "defop",
     "div",
     "dropout",
     "eq",
@@ -129,12 +138,14 @@ __all__ = [
     "ge",
     "gelu",
     "gt",
+    "jvp",
     "keep_tape_on_error",
     "kernel_cache_info",
     "last_recorded_session",
     "layer_norm",
     "le",
     "leaf",
+    "lift",
     "linear",
     "log",
     "log_softmax",

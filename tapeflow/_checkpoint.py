@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
@@ -48,6 +47,18 @@ import jax
 import numpy as np
 
 from . import _registry as R
+from ._checkpoint_io import (
+    _META,
+    _OPT,
+    _ORBAX_MARKER,
+    _PARAMS,
+    _checkpointer,
+    _ocp,
+    _recover,
+    _short,
+    _sibling,
+    _siblings,
+)
 from ._checkpoint_meta import (
     CheckpointError,
     CheckpointMeta,
@@ -66,41 +77,6 @@ if TYPE_CHECKING:
     from ._session import Session
 
 __all__ = ["CheckpointError", "restore", "save"]
-
-_PARAMS = "params"
-_OPT = "opt_state"
-_META = "meta"
-_ORBAX_MARKER = "_CHECKPOINT_METADATA"
-
-
-# --------------------------------------------------------------------------- orbax
-
-
-def _ocp() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:  # pragma: no cover - dependency of the package
-        raise CheckpointError(
-            "tapeflow checkpoints need orbax-checkpoint; install it with `pip install orbax-checkpoint`"
-        ) from e
-    return ocp
-
-
-def _short(e: BaseException) -> str:
-    """The gist of an orbax / TensorStore error (without the multi-kilobyte store spec)."""
-    msg = str(e).split("\n", 1)[0]
-    for cut in (" [tensorstore_spec", " See full TensorStore details", "tensorstore_spec"):
-        k = msg.find(cut)
-        if k > 0:
-            msg = msg[:k]
-    msg = msg.strip().rstrip(".:")
-    return f"{type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}"
-
-
-def _checkpointer() -> Any:
-    ocp = _ocp()
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-
 
 # --------------------------------------------------------------------------- collecting
 
@@ -212,31 +188,6 @@ def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
 # --------------------------------------------------------------------------- save
 
 _OWN_ENTRIES = frozenset({_META, _PARAMS, _OPT, _ORBAX_MARKER, "commit_success.txt"})
-
-
-def _sibling(path: str, kind: str, sid: str) -> str:
-    """Where save ``sid`` stages the new checkpoint (``kind`` "tmp") or moves the one it replaces ("old")."""
-    return f"{path}.tapeflow-{kind}-{sid}"
-
-
-def _siblings(path: str) -> list[tuple[str, str, str]]:
-    """(path, kind, save id) of each staging sibling of ``path``; kind "orbax-tmp": a "tmp" orbax never finished."""
-    parent, base = os.path.split(path)
-    pattern = re.compile(re.escape(base) + r"\.tapeflow-(tmp|old)-([0-9a-f]{12})(\.orbax-checkpoint-tmp.*)?")
-    found = [m for n in sorted(os.listdir(parent)) if (m := pattern.fullmatch(n))] if os.path.isdir(parent) else []
-    return [(os.path.join(parent, m[0]), "orbax-tmp" if m[3] else m[1], m[2]) for m in found]
-
-
-def _recover(path: str) -> str:
-    """Finish the swap of a :func:`save` killed between its two renames; returns the directory holding ``path``."""
-    sibs = [] if os.path.lexists(path) else _siblings(path)
-    halfway = [t for t, kind, sid in sibs if kind == "tmp" and (_sibling(path, "old", sid), "old", sid) in sibs]
-    if halfway:
-        try:
-            os.rename(halfway[0], path)
-        except OSError:  # e.g. a read-only directory: read the new checkpoint where it is
-            return path if os.path.lexists(path) else halfway[0]
-    return path
 
 
 def _check_replaceable(path: str) -> None:

@@ -24,9 +24,9 @@ from typing import Any, TypeAlias, cast
 
 import numpy as np
 
+from ._backward import add_cotangents
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
-from ._tape import add_cotangents
 from ._tensor import Tensor
 from ._typing import Array, NodeId
 
@@ -91,7 +91,8 @@ def sum_in_leaf_order(parts: Sequence[Array]) -> Array:
     """
     g = parts[0]
     for extra in parts[1:]:
-        g = add_cotangents(g, extra)
+        # recorded gradients (backward(create_graph=True)) are Tensors: their sum is recorded too
+        g = g + extra if isinstance(g, Tensor) else add_cotangents(g, extra)
     return g
 
 
@@ -135,9 +136,9 @@ class Grads(Mapping[GradKey, Array]):
     def group_gradient(self, group: ParameterGroup) -> Array | None:
         """The summed gradient of ``group`` (the leaf's own array for a singleton)."""
         self._check_live()
-        if len(group.leaves) == 1:
-            return self.by_leaf.get(group.leaves[0])
         got = self._sums.get(group.id)
+        if got is None and len(group.leaves) == 1:
+            return self.by_leaf.get(group.leaves[0])
         if got is None:
             parts = [self.by_leaf[i] for i in group.leaves if i in self.by_leaf]
             if not parts:
@@ -145,6 +146,20 @@ class Grads(Mapping[GradKey, Array]):
             got = sum_in_leaf_order(parts)
             self._sums[group.id] = got
         return got
+
+    def group_value(self, group: ParameterGroup) -> Array | None:
+        """:meth:`group_gradient` as an array: a recorded (``create_graph``) gradient gives its value."""
+        g = self.group_gradient(group)
+        return g.value if isinstance(g, Tensor) else g
+
+    def leaf_values(self, group: ParameterGroup) -> tuple[Array, ...]:
+        """The cotangent array of each leaf of ``group`` (values of recorded gradients), in leaf order."""
+        return tuple(v.value if isinstance(v, Tensor) else v for v in (self.by_leaf[i] for i in group.leaves))
+
+    def set_group_gradient(self, group: ParameterGroup, value: Array) -> None:
+        """Make ``value`` the gradient of ``group`` (what a Param hook returned); read by every consumer."""
+        self._check_live()
+        self._sums[group.id] = value
 
     def storage_gradients(self, storages: Sequence[Storage]) -> list[Array | None]:
         """One summed gradient per storage, in the order given (None: the recording did not use it).

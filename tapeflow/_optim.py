@@ -342,7 +342,7 @@ class Optimizer:
                         f"Optimizer.step: missing gradient for leaf #{missing[0]} of {g.parameter!r} "
                         f"(storage used at leaves {list(g.leaves)}); nothing was updated"
                     )
-                per_slot[k] = tuple(grads.by_leaf[i] for i in g.leaves)
+                per_slot[k] = grads.leaf_values(g)
                 groups[k] = g
             return per_slot, groups
         if not isinstance(grads, Mapping):
@@ -421,6 +421,8 @@ class Optimizer:
         def update(
             slot_grads: list[Array | None], state: OptState, values: list[Array]
         ) -> tuple[list[Array], OptState]:
+            if not any(used):
+                return list(values), state  # a recording that used none of the slots changes nothing at all
             grads = [slot_grads[k] if used[k] else jnp.zeros_like(values[k]) for k in range(n)]
             params = tree(values)
             updates, new_state = tx.update(tree(grads), state, params)
@@ -447,7 +449,9 @@ class Optimizer:
         ``values`` and ``grads`` hold one array per slot (in :attr:`storages`
         order; ``grads`` already summed per storage); ``used`` marks the slots the
         recording used (default: those whose gradient is not None). An unused
-        slot's value and per-parameter state are returned unchanged. Nothing is
+        slot's value and per-parameter state are returned unchanged; when no slot
+        is used, nothing changes, not even shared state such as Adam's step
+        count (as in :meth:`step`). Nothing is
         read or written: this is what :meth:`step` applies and what
         :func:`~tapeflow.train_step` traces into its program. It is compiled once
         per ``used`` pattern and can be called inside ``jax.jit``.
@@ -494,7 +498,7 @@ class Optimizer:
             values = [s.read(device) for s in storages]
             if isinstance(grads, Grads):
                 # the per-storage sums of the recording (held by grads until consume() lets go of them)
-                slot_grads = [None if g is None else grads.group_gradient(g) for g in groups]
+                slot_grads = [None if g is None else grads.group_value(g) for g in groups]
             else:
                 slot_grads = [None if p is None else sum_in_leaf_order(p) for p in per_slot]
             new_vals, new_state = self.update(values, self.state, slot_grads, used)

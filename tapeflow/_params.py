@@ -17,9 +17,12 @@ never make two parameters aliases.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +30,19 @@ import numpy as np
 
 from . import _registry as R
 from ._result import TapeError
-from ._tensor import TensorOps
+from ._tensor import RemovableHandle, TensorOps
 from ._typing import Array, ArrayLike, DTypeLike
 
-__all__ = ["COMPLEX_HINT", "Param", "Storage", "canonical_indices", "check_value_kind", "tie"]
+__all__ = [
+    "COMPLEX_HINT",
+    "Param",
+    "RationalFallbackWarning",
+    "Storage",
+    "ValuePolicy",
+    "canonical_indices",
+    "check_value_kind",
+    "tie",
+]
 
 COMPLEX_HINT = (
     "complex values are not supported yet: gradients of complex inputs would be wrong; "
@@ -111,7 +123,7 @@ class Storage:
 
     # _current is the value of the current cell (_host when _host_current, else _mirror);
     # write_current_many, the one cell update, and read_host's sync keep it so
-    __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "shape", "uid")
+    __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "hooks", "shape", "uid")
 
     def __init__(self, value: ArrayLike) -> None:
         v = _as_array(value)
@@ -122,6 +134,7 @@ class Storage:
         self._mirror: Array | None = None
         self._host_current = True
         self._current: Array = v
+        self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
         with _storage_lock:
             self.uid = next(_storage_ids)
 
@@ -282,6 +295,26 @@ class Param(TensorOps):
         p._bound = bound
         return p
 
+    def register_hook(self, fn: Callable[[Array], Array | None]) -> RemovableHandle:
+        """Call ``fn(gradient)`` once per backward with this storage's summed gradient.
+
+        Every tied registration shares the hook (it belongs to the storage), and
+        it sees the sum over all uses, as PyTorch calls a tensor hook once with
+        the accumulated gradient. A returned array of the same shape and dtype
+        replaces the gradient for ``grads[p]`` and every optimizer; None keeps it.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> w = tfl.Param(jnp.array(2.0))
+        >>> hook = w.register_hook(lambda g: g * 10.0)
+        >>> with tfl.Session() as s:
+        ...     float(s.backward(w * 3.0 + tfl.tie(w) * 4.0)[w])
+        70.0
+        >>> hook.remove()
+        """
+        if not callable(fn):
+            raise TypeError(f"register_hook expects a function of the gradient, got {type(fn).__name__}")
+        return RemovableHandle(self.storage.hooks, fn)
+
     @property
     def bound(self) -> bool:
         """True for a read-only view made by JAX's pytree machinery (see :meth:`value`)."""
@@ -405,4 +438,88 @@ def check_fits_without_x64(x: object, where: str) -> None:
             f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
             f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
             'turn them on with jax.config.update("jax_enable_x64", True)'
+        )
+
+
+class RationalFallbackWarning(UserWarning):
+    """Values without a native JAX dtype (exact rationals) are computed on the CPU with NumPy."""
+
+
+class ValuePolicy:
+    """How a value enters a session's tape: kind checks, host conversion, placement, constant operands.
+
+    Mixed into :class:`~tapeflow.Session` (which sets the attributes below), so
+    an input, a Param's value and a Python-number operand all pass one set of
+    rules: no complex values, rationals as Fractions (with one warning per
+    session), host data converted with JAX's dtypes and placed on the session's
+    device, and a number given the dtype of the op's other operands.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> s = tfl.Session()
+    >>> (s.input(jnp.ones(2, jnp.bfloat16)) * 2).dtype
+    dtype(bfloat16)
+    """
+
+    device: jax.Device
+    _default_device: bool
+    _rational_warned: bool
+    _owner: int
+    _constants: dict[tuple[Any, ...], Array]
+
+    def _prepare_value(self, x: ArrayLike, where: str = "Session.input") -> Array:
+        """Session policy for a value entering the tape; ``leaf`` does the placement itself."""
+        check_value_kind(x, where)
+        if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
+            self._warn_rational()
+            return x
+        if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
+            check_fits_without_x64(x, where)
+            # Uncommitted on the default device, like parameter values created with jnp:
+            # kernels then see one placement for every operand and compile once.
+            return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
+        return x  # a jax.Array (or tracer): leaf() moves it if needed, keeping sharded arrays as they are
+
+    def _warn_rational(self) -> None:
+        if not self._rational_warned:
+            self._rational_warned = True
+            warnings.warn(
+                f"exact rational values have no native JAX dtype; session {self._owner} computes them on the CPU "
+                f"with NumPy (requested device: {self.device})",
+                RationalFallbackWarning,
+                stacklevel=4,
+            )
+
+    def _constant(self, o: object, ref_dtype: np.dtype | None, opname: str) -> Array:
+        if isinstance(o, complex):
+            raise TapeError(f"{opname}: {COMPLEX_HINT}")
+        if isinstance(o, (bool, int, float)):
+            if ref_dtype is not None and ref_dtype == R.OBJECT:
+                return np.asarray(Fraction(o), dtype=object)
+            dt: np.dtype
+            if isinstance(o, bool):
+                dt = np.dtype(bool)
+            elif ref_dtype is not None and (isinstance(o, int) or R.is_float(ref_dtype)):
+                dt = ref_dtype
+            else:
+                dt = np.dtype(np.float32) if isinstance(o, float) else np.dtype(np.int32)
+            key = (type(o), o, math.copysign(1.0, o), dt)
+            c = self._constants.get(key)
+            if c is None:
+                try:
+                    c = np.asarray(o, dtype=dt)
+                except OverflowError:
+                    raise TapeError(
+                        f"{opname}: the constant {o} does not fit the operand dtype {dt}; cast explicitly "
+                        '(e.g. x.astype("int64")) or turn on 64-bit values: jax.config.update("jax_enable_x64", True)'
+                    ) from None
+                # uncommitted on the default device, so it also mixes with sharded tracers under jit
+                c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
+                if len(self._constants) < 1024:
+                    self._constants[key] = c
+            return c
+        if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
+            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
+        raise TapeError(
+            f"{opname}: operand of type {type(o).__name__} is not supported; "
+            "use a Tensor, a Param, a number or an array"
         )

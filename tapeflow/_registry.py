@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal, TypeAlias
@@ -47,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._result import TapeError
+from ._kernels import KernelCache, drop_kernels_of
 from ._typing import Array, Attrs, AttrValue, Shape
 
 __all__ = [
@@ -60,12 +59,10 @@ __all__ = [
     "ShapeLike",
     "Spec",
     "attr_key",
-    "clear_kernel_caches",
-    "kernel_cache_info",
     "normalize_attrs",
     "op",
     "ops",
-    "set_kernel_cache_size",
+    "unregister",
 ]
 
 Spec = tuple[tuple[int, ...], np.dtype]
@@ -121,6 +118,9 @@ class OpDef:
     ``notes`` the rest of the forward's docstring. ``public=False`` ops get no
     ``tfl.<name>`` function; ``aliases`` are further names of that function.
     ``runtime`` names the attributes passed to the kernels as traced scalars.
+    ``user`` marks an op registered through :func:`tapeflow.lift` or
+    :func:`tapeflow.defop` (it can be :func:`unregister` ed), and ``source`` is
+    the function it was registered from (None for a built-in op).
     """
 
     name: str
@@ -138,6 +138,8 @@ class OpDef:
     public: bool = True
     aliases: tuple[str, ...] = ()
     runtime: frozenset[str] = frozenset()
+    user: bool = False
+    source: Callable[..., Any] | None = None
 
     @property
     def variadic(self) -> bool:
@@ -172,6 +174,7 @@ def op(
     public: bool = True,
     aliases: Sequence[str] = (),
     runtime: Sequence[str] = (),
+    user: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
@@ -184,7 +187,9 @@ def op(
     ``tfl.<name>`` functions; ``aliases`` are further names for its function.
     ``runtime`` lists attributes the output's shape and dtype never depend on: a
     number given for one reaches the kernels traced (:func:`kernel_key`), so the
-    forward and VJP must not branch on it in Python.
+    forward and VJP must not branch on it in Python. ``user`` (the user's function)
+    marks a user registration (:func:`tapeflow.lift`, :func:`tapeflow.defop`),
+    which :func:`unregister` may remove again.
     """
 
     def deco(fwd: Callable[..., Any]) -> OpDef:
@@ -215,6 +220,8 @@ def op(
             public=public,
             aliases=tuple(aliases),
             runtime=frozenset(runtime),
+            user=user is not None,
+            source=user,
         )
         REGISTRY[name] = d
         return d
@@ -254,6 +261,26 @@ def _read_signature(
     n = len(names)
     arity = (n - 1, None) if variadic else (n - n_opt, n)
     return tuple(names), arity, {a: types.get(a, "AttrValue") for a in attrs}
+
+
+def unregister(name: str) -> OpDef:
+    """Remove the user-registered op ``name`` and every compiled kernel that mentions it; returns its OpDef.
+
+    A built-in op cannot be removed (``ValueError``); an unknown name is a ``KeyError``.
+    Tapes that recorded the op keep their values, but no longer differentiate through it.
+
+    >>> d = op("doc_unregister_twice", user=lambda x: 2 * x)(lambda x: 2 * x)
+    >>> unregister("doc_unregister_twice") is d, "doc_unregister_twice" in REGISTRY
+    (True, False)
+    """
+    d = REGISTRY.get(name)
+    if d is None:
+        raise KeyError(f"no op {name!r} is registered")
+    if not d.user:
+        raise ValueError(f"{name!r} is a built-in op; only ops registered with tfl.lift or tfl.defop can be removed")
+    del REGISTRY[name]
+    drop_kernels_of({name})  # forwards, VJPs, and the caches of layers above (JVPs, recorded VJPs, ...)
+    return d
 
 
 def ops() -> list[str]:
@@ -362,35 +389,6 @@ def kernel_key(
     return tuple(sorted([*attr_key([i for i in items if i[0] not in rt]), *((k, type(v)) for k, v in rt.items())])), rt
 
 
-class KernelCache(OrderedDict[Any, Any]):
-    """An LRU cache of kernels, counted as ``name`` by :func:`kernel_cache_info`; ``hit`` is a ``get``
-    that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`."""
-
-    __slots__ = ("evictions",)
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self.evictions = 0
-        _CACHES[name] = self
-
-    def hit(self, key: Any) -> Any:
-        v = self.get(key)
-        if v is not None:
-            try:  # noqa: SIM105 (contextlib.suppress would cost a context manager per hit)
-                self.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile: still a valid kernel
-                pass
-        return v
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.trim()
-
-    def trim(self) -> None:
-        while len(self) > _max_size and self.popitem(last=False):
-            self.evictions += 1
-
-
 @dataclasses.dataclass(eq=False, slots=True)
 class FwdEntry:
     """A checked, compiled forward for one cache key; never mutated (not frozen: cheaper to create)."""
@@ -405,53 +403,9 @@ class FwdEntry:
     runtime: tuple[str, ...] = ()  # attributes ``fn`` takes as keyword arguments
 
 
-_max_size = DEFAULT_KERNEL_CACHE_SIZE = 4096
-_CACHES: dict[str, KernelCache] = {}
 _FWD_CACHE = KernelCache("fwd")
 _VJP_CACHE = KernelCache("vjp")
 _JIT_FWD = KernelCache("fwd_jit")  # one jitted forward per (op, attrs), shared by its shapes
-
-
-def kernel_cache_info() -> dict[str, int]:
-    """Entries per kernel cache (``"fwd"``, ``"vjp"``, ``"fwd_jit"``: per op and attrs, ``"random"``: draws),
-    their bound (``"max_size"``) and the ``"evictions"`` since the last :func:`clear_kernel_caches`.
-
-    >>> import tapeflow as tfl
-    >>> sorted(tfl.kernel_cache_info())
-    ['evictions', 'fwd', 'fwd_jit', 'max_size', 'random', 'vjp']
-    """
-    info = {name: len(c) for name, c in _CACHES.items()}
-    return {**info, "max_size": _max_size, "evictions": sum(c.evictions for c in _CACHES.values())}
-
-
-def set_kernel_cache_size(max_size: int) -> int:
-    """Keep at most ``max_size`` entries (default 4096) in each kernel cache; returns the previous bound.
-
-    Beyond it, the least recently used kernels are dropped (at once when
-    shrinking) and compiled again on their next use.
-
-    >>> import tapeflow as tfl
-    >>> old = tfl.set_kernel_cache_size(256)
-    >>> tfl.kernel_cache_info()["max_size"], tfl.set_kernel_cache_size(old)
-    (256, 256)
-    """
-    global _max_size
-    if not isinstance(max_size, (int, np.integer)) or isinstance(max_size, (bool, np.bool_)) or max_size < 1:
-        raise TapeError(
-            f"set_kernel_cache_size: max_size must be a positive int (kernels kept per cache), got {max_size!r}; "
-            f"e.g. tfl.set_kernel_cache_size({DEFAULT_KERNEL_CACHE_SIZE})"
-        )
-    old, _max_size = _max_size, int(max_size)
-    for c in _CACHES.values():
-        c.trim()
-    return old
-
-
-def clear_kernel_caches() -> None:
-    """Drop every cached kernel (they are rebuilt on next use) and zero the eviction count."""
-    for c in _CACHES.values():
-        c.clear()
-        c.evictions = 0
 
 
 def _attr_error(d: OpDef, attrs: Mapping[str, AttrValue]) -> str | None:

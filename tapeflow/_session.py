@@ -22,12 +22,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import math
 import sys
 import threading
-import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,15 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._backward import Hook, backward_graph, run_hooks
+from ._backward import backward as _tape_backward
 from ._device import default_device, resolve_device
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._params import COMPLEX_HINT, Param, Storage, check_fits_without_x64, check_value_kind
-from ._random import RNG_COUNTER_RANGE, RNG_SEED_RANGE, draw, rng_int
+from ._jvp import jvp_keys
+from ._params import COMPLEX_HINT, Param, RationalFallbackWarning, Storage, ValuePolicy
+from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
 from ._result import Err, TapeError
 from ._tape import Node, Tape, append_op, check_op, leaf
-from ._tape import backward as _tape_backward
-from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
-from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
+from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
+from ._typing import Array, ArrayLike, DeviceLike, NodeId, PRNGKey
 
 __all__ = ["RationalFallbackWarning", "Session"]
 
@@ -51,16 +51,12 @@ _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
 
-class RationalFallbackWarning(UserWarning):
-    """Values without a native JAX dtype (exact rationals) are computed on the CPU with NumPy."""
-
-
 def _next_owner() -> int:
     with _owner_lock:
         return next(_owner_counter)
 
 
-class Session:
+class Session(ValuePolicy, RandomDraws):
     """An eager recording context: one tape, handles, parameters, RNG and a device.
 
     Parameters
@@ -112,13 +108,15 @@ class Session:
     ) -> None:
         self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = resolve_device(device) if device is not None else default_device()
-        self._seed = int(seed)
+        self._seed = rng_int("seed", seed, RNG_SEED_RANGE, "Session")
         self.grad_enabled = bool(grad_enabled)
         self.show_backend = bool(show_backend)
         self._owner = _next_owner()
         self._ref = weakref.ref(self)
         self._generation = 0
         self._rng_counter = 0
+        self._no_grad = 0
+        self._hooks: dict[NodeId, list[Hook]] = {}
         self._tape = Tape.empty(self.device)
         self._params_by_leaf: dict[NodeId, ParameterRecord] = {}
         self._storage_by_leaf: dict[NodeId, Storage] = {}
@@ -158,34 +156,6 @@ class Session:
     def generation(self) -> int:
         """Number of resets so far; handles from older generations are stale."""
         return self._generation
-
-    @property
-    def rng_counter(self) -> int:
-        """Number of random tensors drawn so far (kept across resets)."""
-        return self._rng_counter
-
-    @property
-    def seed(self) -> int:
-        """Seed of the session's random tensors (see :meth:`set_rng_state`)."""
-        return self._seed
-
-    def set_rng_state(self, seed: int | None = None, counter: int | None = None) -> None:
-        """Set the RNG seed and/or counter, e.g. to continue a restored run.
-
-        >>> s = Session(seed=1)
-        >>> a = s.normal((2,)).value
-        >>> s.set_rng_state(seed=1, counter=0)
-        >>> bool((s.normal((2,)).value == a).all())
-        True
-        """
-        self.check_thread()
-        new_seed = None if seed is None else rng_int("seed", seed, RNG_SEED_RANGE)
-        new_counter = None if counter is None else rng_int("counter", counter, RNG_COUNTER_RANGE)
-        if new_seed is not None:
-            self._seed = new_seed
-            self._base_key = None
-        if new_counter is not None:
-            self._rng_counter = new_counter
 
     @property
     def unlisted_storages(self) -> tuple[Storage, ...]:
@@ -266,29 +236,6 @@ class Session:
         return self._tape[h.id]
 
     # -- leaves ----------------------------------------------------------------
-    def _prepare_value(self, x: ArrayLike, where: str = "Session.input") -> Array:
-        """Session policy for a value entering the tape; ``leaf`` does the placement itself."""
-        check_value_kind(x, where)
-        if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
-            self._warn_rational()
-            return x
-        if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
-            check_fits_without_x64(x, where)
-            # Uncommitted on the default device, like parameter values created with jnp:
-            # kernels then see one placement for every operand and compile once.
-            return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
-        return x  # a jax.Array (or tracer): leaf() moves it if needed, keeping sharded arrays as they are
-
-    def _warn_rational(self) -> None:
-        if not self._rational_warned:
-            self._rational_warned = True
-            warnings.warn(
-                f"exact rational values have no native JAX dtype; session {self._owner} computes them on the CPU "
-                f"with NumPy (requested device: {self.device})",
-                RationalFallbackWarning,
-                stacklevel=4,
-            )
-
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
         self.check_thread()
@@ -296,7 +243,7 @@ class Session:
         note_recorded(self._ref)
 
     def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
-        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled)
+        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled and not self._no_grad)
         self._commit(t)
         return self._handle(i)
 
@@ -409,14 +356,16 @@ class Session:
             if type(p) is int:
                 ids.append(p)
             elif isinstance(p, Param):
-                t, i = leaf(t, self._param_value(p), requires_grad=p.trainable and self.grad_enabled)
+                t, i = leaf(
+                    t, self._param_value(p), requires_grad=p.trainable and self.grad_enabled and not self._no_grad
+                )
                 new_params.append((i, p))
                 ids.append(i)
             else:
                 t, i = leaf(t, p, requires_grad=False)
                 ids.append(i)
         all_nodes = t._buf.nodes
-        t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids])
+        t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids], not self._no_grad)
         if isinstance(r, Err):
             raise TapeError(r.error)
         self._commit(t)
@@ -426,106 +375,12 @@ class Session:
             self._audit(opname, t[r.value].dtype)
         return self._handle(r.value)
 
-    def _constant(self, o: object, ref_dtype: np.dtype | None, opname: str) -> Array:
-        if isinstance(o, complex):
-            raise TapeError(f"{opname}: {COMPLEX_HINT}")
-        if isinstance(o, (bool, int, float)):
-            if ref_dtype is not None and ref_dtype == R.OBJECT:
-                from fractions import Fraction
-
-                return np.asarray(Fraction(o), dtype=object)
-            dt: np.dtype
-            if isinstance(o, bool):
-                dt = np.dtype(bool)
-            elif ref_dtype is not None and (isinstance(o, int) or R.is_float(ref_dtype)):
-                dt = ref_dtype
-            else:
-                dt = np.dtype(np.float32) if isinstance(o, float) else np.dtype(np.int32)
-            key = (type(o), o, math.copysign(1.0, o), dt)
-            c = self._constants.get(key)
-            if c is None:
-                try:
-                    c = np.asarray(o, dtype=dt)
-                except OverflowError:
-                    raise TapeError(
-                        f"{opname}: the constant {o} does not fit the operand dtype {dt}; cast explicitly "
-                        '(e.g. x.astype("int64")) or turn on 64-bit values: jax.config.update("jax_enable_x64", True)'
-                    ) from None
-                # uncommitted on the default device, so it also mixes with sharded tracers under jit
-                c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
-                if len(self._constants) < 1024:
-                    self._constants[key] = c
-            return c
-        if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
-            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
-        raise TapeError(
-            f"{opname}: operand of type {type(o).__name__} is not supported; "
-            "use a Tensor, a Param, a number or an array"
-        )
-
     def _audit(self, opname: str, dtype: np.dtype) -> None:
         self._backend_seen.add(opname)
         kernel = "numpy-exact (cpu)" if dtype == R.OBJECT else f"xla:{self.device.platform}"
         self.selected_backends.append((opname, kernel))
         if self.show_backend:
             print(f"[tapeflow] {opname}: {kernel}", file=sys.stderr)
-
-    # -- randomness ------------------------------------------------------------
-    def _key(self) -> PRNGKey:
-        """The key of the next draw, ``fold_in(key(seed), counter)``; does not advance the counter."""
-        if self._base_key is None:
-            self._base_key = jax.random.PRNGKey(self._seed)
-        c = self._rng_counter
-        if c < 2**32:
-            return jax.random.fold_in(self._base_key, c)
-        return jax.random.fold_in(jax.random.fold_in(self._base_key, c >> 32), c & 0xFFFFFFFF)  # fold_in takes uint32
-
-    def _next_key(self) -> PRNGKey:
-        k = self._key()
-        self._rng_counter += 1
-        return k
-
-    def _random(self, method: str, kind: tuple[Any, ...], shape: int | tuple[int, ...], dtype: DTypeLike) -> Tensor:
-        # every check before the draw: a rejected call advances no counter and records nothing
-        self.check_thread()
-        if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
-            shape = (shape,)
-        if not isinstance(shape, (tuple, list)) or any(
-            not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or d < 0 for d in shape
-        ):
-            raise TapeError(f"{method}: random tensor shape must be non-negative integers, got {shape!r}")
-        dt = None
-        if dtype is not None:
-            try:
-                dt = np.dtype(dtype)
-            except TypeError:
-                raise TapeError(f"{method}: {dtype!r} is not a dtype; use a floating dtype such as float32") from None
-            if not jnp.issubdtype(dt, jnp.floating):
-                raise TapeError(f"{method}: dtype {dt} is not supported; use a floating dtype such as float32")
-        v = draw(kind, tuple(int(d) for d in shape), dt, self._key())
-        self._rng_counter += 1
-        return self._commit_leaf(self._prepare_value(v), False)
-
-    def rand_uniform(
-        self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32, low: float = 0.0, high: float = 1.0
-    ) -> Tensor:
-        """Uniform ``[low, high)`` samples (a constant leaf); advances the RNG counter once."""
-        return self._random("rand_uniform", ("uniform", float(low), float(high)), shape, dtype)
-
-    def normal(self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32) -> Tensor:
-        """Standard normal samples (a constant leaf); advances the RNG counter once."""
-        return self._random("normal", ("normal",), shape, dtype)
-
-    def bernoulli_mask(self, shape: int | tuple[int, ...], keep_prob: float) -> Tensor:
-        """Boolean mask, True with probability ``keep_prob``; advances the RNG counter once."""
-        if not 0.0 <= float(keep_prob) <= 1.0:
-            raise TapeError(f"bernoulli_mask: keep_prob must be in [0, 1], got {keep_prob}")
-        return self._random("bernoulli_mask", ("bernoulli", float(keep_prob)), shape, None)
-
-    def random_key(self) -> PRNGKey:
-        """A fresh ``jax.random`` key derived from (seed, counter); advances the counter once."""
-        self.check_thread()
-        return self._next_key()
 
     # -- backward --------------------------------------------------------------
     def parameter_groups(self) -> list[ParameterGroup]:
@@ -535,8 +390,33 @@ class Session:
         trainable = {i: p for i, p in self._params_by_leaf.items() if nodes[i].requires_grad}
         return group_parameter_leaves(trainable, self._storage_by_leaf)
 
-    def backward(self, loss: Tensor, seed: Array | None = None) -> Grads:
-        """Gradients of ``loss`` wrt every leaf that requires grad, as a :class:`~tapeflow.Grads`."""
+    def backward(
+        self,
+        loss: Tensor,
+        seed: Array | None = None,
+        *,
+        wrt: Sequence[Tensor] = (),
+        create_graph: bool = False,
+    ) -> Grads:
+        """Gradients of ``loss`` wrt every leaf that requires grad (and each handle in ``wrt``), as a :class:`~tapeflow.Grads`.
+
+        * ``wrt``: further handles of this recording, interior nodes included,
+          whose cotangents ``grads[h]`` also returns (zeros when ``loss`` does
+          not reach them), like PyTorch's ``retain_grad``.
+        * ``create_graph=True``: the backward pass is recorded on this tape, so
+          every gradient is a Tensor that can be used in further ops and
+          differentiated again (``grads[W]`` of a tied Param is one recorded sum).
+        * Hooks (:meth:`Tensor.register_hook`, :meth:`Param.register_hook`) run
+          here; if one raises, the tape is as before and no gradients are returned.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     x = s.input(jnp.array(3.0), requires_grad=True)
+        ...     h = x * x
+        ...     g = s.backward(h * x, wrt=[h], create_graph=True)
+        ...     float(g[h]), float(g[x]), float(s.backward(g[x])[x])    # x, 3x^2, 6x
+        (3.0, 27.0, 18.0)
+        """
         if not isinstance(loss, Tensor):
             raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
         check_handle(loss, self)
@@ -547,12 +427,93 @@ class Session:
             )
         if seed is not None and jnp.iscomplexobj(seed):
             raise TapeError(f"backward: {COMPLEX_HINT}")
+        for h in wrt:
+            if not isinstance(h, Tensor):
+                raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
+            check_handle(h, self)
         # every trainable leaf gets a gradient (zeros when the loss does not reach it)
-        nodes = self._tape._buf.nodes
-        wrt = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
-        wrt += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
-        by_leaf = _tape_backward(self._tape, loss.id, seed=seed, wrt=wrt)
-        return Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
+        old = self._tape
+        nodes = old._buf.nodes
+        ids = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
+        ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
+        ids += [h.id for h in wrt]
+        hooks: dict[NodeId, list[Any]] = {
+            i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._hooks.items() if fns
+        }
+        try:
+            if create_graph:
+                t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
+                self._commit(t)
+                by_leaf: dict[NodeId, Any] = {i: self._handle(j) for i, j in by_id.items()}
+            else:
+                by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
+            grads = Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
+            for group in grads.groups:
+                if group.storage is not None and group.storage.hooks:
+                    g = grads.group_gradient(group)
+                    grads.set_group_gradient(group, run_hooks(group.storage.hooks, g, repr(group.parameter)))
+        except BaseException:
+            self._commit(old)  # hooks may have recorded on the tape: none of it happened
+            raise
+        return grads
+
+    def register_hook(self, h: Tensor, fn: Hook) -> RemovableHandle:
+        """Call ``fn(cotangent)`` when a backward reaches ``h``; see :meth:`Tensor.register_hook`."""
+        check_handle(h, self)
+        if not callable(fn):
+            raise TypeError(f"register_hook expects a function of the cotangent, got {type(fn).__name__}")
+        return RemovableHandle(self._hooks.setdefault(h.id, []), fn)
+
+    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Any:
+        """``fn`` as the sweep calls it: arrays in, checked arrays out; or, recording, ``(tape, id)`` in and out."""
+        nd = self._tape[i]
+        if not graph:
+            return lambda g: run_hooks([fn], g, f"node #{i} ({nd.op or 'leaf'})")
+
+        def call(t: Tape, gid: NodeId) -> tuple[Tape, NodeId]:
+            self._commit(t)  # the hook records on the tape the sweep has built so far
+            r = run_hooks([fn], self._handle(gid), f"node #{i} ({nd.op or 'leaf'})")
+            if isinstance(r, Tensor):
+                check_handle(r, self)
+                return self._tape, r.id
+            return self._tape, gid
+
+        return call
+
+    @contextlib.contextmanager
+    def no_grad(self) -> Iterator[Session]:
+        """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     w = s.input(jnp.ones(2), requires_grad=True)
+        ...     with s.no_grad():
+        ...         frozen = w * 2.0
+        ...     frozen.requires_grad, (w * 2.0).requires_grad
+        (False, True)
+        """
+        self.check_thread()
+        self._no_grad += 1
+        try:
+            yield self
+        finally:
+            self._no_grad -= 1
+
+    def jvp(self, output: Tensor, tangents: Mapping[Tensor | Param, ArrayLike]) -> Array:
+        """The tangent of ``output`` given tangents of live handles and of Params (a Param's reaches all its uses).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s, w = tfl.Session(), tfl.Param(jnp.array([1.0, 2.0]))
+        >>> x = s.input(jnp.array([3.0, 4.0]))
+        >>> float(s.jvp(tfl.sum(x * w), {x: jnp.ones(2), w: jnp.array([1.0, 0.0])}))
+        6.0
+        """
+        for k in (output, *tangents):
+            if isinstance(k, Tensor):
+                check_handle(k, self)
+            elif not (isinstance(k, Param) and isinstance(output, Tensor)):  # output: a Tensor, keys: also Params
+                raise TypeError(f"Session.jvp takes a Tensor output and Tensor or Param keys, got {type(k).__name__}")
+        return jvp_keys(self._tape, output.id, tangents, self._storage_by_leaf)
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
@@ -568,4 +529,5 @@ class Session:
         self._tape = Tape.empty(self.device)
         self._params_by_leaf = {}
         self._storage_by_leaf = {}
+        self._hooks = {}
         self._generation += 1

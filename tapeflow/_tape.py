@@ -29,10 +29,10 @@ import numpy as np
 from . import _registry as R
 from ._checks import is_int
 from ._device import resolve_device
-from ._result import Err, Ok, TapeError
-from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike, NodeId
+from ._result import Err, Ok
+from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
 
-__all__ = ["Node", "Tape", "backward", "keep_tape_on_error", "leaf", "record"]
+__all__ = ["Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "record"]
 
 
 class Node:
@@ -254,16 +254,27 @@ def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
 
 
 def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tape, int]:
-    """Append a leaf holding ``value``; returns ``(new_tape, node_id)``. Cannot fail.
+    """Append a leaf holding ``value``; returns ``(new_tape, node_id)``.
 
     Integer and boolean leaves never require grad, whatever ``requires_grad`` says.
+    A ``value`` that is not an array of numbers (a string, an arbitrary object)
+    raises ``TypeError``; ``tape`` is a value, so nothing was appended to it.
 
     >>> import jax.numpy as jnp
     >>> t, i = leaf(Tape.empty(), jnp.zeros(3), requires_grad=True)
     >>> i, t[i].requires_grad
     (0, True)
+    >>> leaf(t, "abc")
+    Traceback (most recent call last):
+    TypeError: leaf: 'abc' (str) is not an array of numbers; pass a NumPy or JAX array or a Python number
     """
-    v = _as_value(value, tape.device)
+    try:
+        v = _as_value(value, tape.device)
+    except TypeError:
+        raise TypeError(
+            f"leaf: {value!r:.80} ({type(value).__name__}) is not an array of numbers; "
+            "pass a NumPy or JAX array or a Python number"
+        ) from None
     dtype = np.dtype(v.dtype)
     node = Node(None, (), (), v, bool(requires_grad) and R.is_float(dtype), tuple(v.shape), dtype)
     return tape._append(node), tape._n
@@ -328,13 +339,13 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: AttrValue) -> tu
 
 
 def append_op(
-    tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node]
+    tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node], requires_grad: bool = True
 ) -> tuple[Tape, Ok[int] | Err]:
     """Run a checked kernel on the nodes ``ins`` (ids ``ids``) and append its output node.
 
     ``entry`` comes from :func:`check_op` for exactly these operand specs. Only a
     failure of the kernel itself is left to report, as an ``Err`` with ``tape``
-    unchanged.
+    unchanged. ``requires_grad=False`` records the node untracked (``no_grad``).
     """
     n = tape._n
     try:
@@ -348,7 +359,7 @@ def append_op(
         specs = [nd.spec for nd in ins]
         return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
     rg = False
-    if entry.differentiable:
+    if entry.differentiable and requires_grad:
         for i in entry.diff:
             if ins[i].requires_grad:
                 rg = True
@@ -466,128 +477,3 @@ def keep_tape_on_error(
     if r.is_ok:
         return t, r
     return t0, r
-
-
-# --------------------------------------------------------------------------- backward
-
-_add = jax.jit(jnp.add)
-_ONE: dict[np.dtype, np.ndarray] = {}
-
-
-def add_cotangents(a: Array, b: Array) -> Array:
-    """``a + b`` for two cotangents of one node: a compiled add, or NumPy's for exact rationals."""
-    if isinstance(a, np.ndarray) and a.dtype == R.OBJECT:
-        return a + b
-    return _add(a, b)
-
-
-def _zeros(nd: Node) -> Array:
-    if nd.dtype == R.OBJECT:
-        from fractions import Fraction
-
-        z = np.empty(nd.shape, dtype=object)
-        z[...] = Fraction(0)
-        return z
-    return jnp.zeros(nd.shape, nd.dtype)
-
-
-def backward(
-    tape: Tape, root: int, seed: ArrayLike | None = None, wrt: Iterable[NodeId] | None = None
-) -> dict[NodeId, Array]:
-    """Reverse-mode sweep from node ``root``; returns ``{node_id: cotangent}``.
-
-    * ``seed`` defaults to 1 for a scalar root; a non-scalar root needs one.
-    * By default the result holds every leaf that requires grad and is reached
-      from ``root``. ``wrt`` selects node ids instead (leaves or interior nodes);
-      a requested node that is not reached gets zeros of its shape.
-    * Cotangents of a node with several consumers are summed; the cotangent of
-      an interior node is dropped as soon as the sweep has passed it.
-    * Pure: works on a tape whose values are tracers inside ``jax.jit``.
-
-    >>> import jax.numpy as jnp
-    >>> t, x = leaf(Tape.empty(), jnp.array(3.0), requires_grad=True)
-    >>> t, y = record(t, "mul", (x, x))
-    >>> float(backward(t, y.value)[x])
-    6.0
-    """
-    n = tape._n
-    if type(root) is not int:
-        if isinstance(root, Ok):
-            root = root.value
-        elif is_int(root):
-            root = int(root)
-        else:
-            raise TapeError(f"backward: root must be a node id (int), got {root!r}")
-    if not 0 <= root < n:
-        raise TapeError(f"backward: root {root} is out of range for a tape of {n} node(s)")
-    nodes = tape._buf.nodes
-    rnode = nodes[root]
-    if seed is None:
-        if rnode.shape != ():
-            raise TapeError(
-                f"backward: root #{root} has shape {rnode.shape}; a non-scalar root needs an explicit "
-                "seed (a cotangent of the same shape), e.g. backward(tape, root, seed=jnp.ones(shape))"
-            )
-        if rnode.dtype == R.OBJECT:
-            from fractions import Fraction
-
-            seed = np.asarray(Fraction(1), dtype=object)
-        else:
-            seed = _ONE.get(rnode.dtype)
-            if seed is None:  # NumPy, not jnp: also safe to reuse when backward runs under jit
-                seed = _ONE[rnode.dtype] = np.ones((), rnode.dtype)
-    else:
-        if tuple(np.shape(seed)) != rnode.shape:
-            raise TapeError(
-                f"backward: seed has shape {tuple(np.shape(seed))} but root #{root} has shape {rnode.shape}"
-            )
-        if not (isinstance(seed, np.ndarray) and seed.dtype == R.OBJECT):
-            seed = jnp.asarray(seed, rnode.dtype)
-    want: set[int] | None = None
-    if wrt is not None:
-        want = set()
-        for w in wrt:
-            if not is_int(w) or not 0 <= int(w) < n:
-                raise TapeError(f"backward: wrt id {w!r} is out of range for a tape of {n} node(s)")
-            want.add(int(w))
-    result: dict[NodeId, Array] = {}
-    cot: dict[NodeId, Array] = {root: seed} if rnode.requires_grad or (want and root in want) else {}
-    for i in range(root, -1, -1):
-        if not cot:
-            break
-        g = cot.pop(i, None)
-        if g is None:
-            continue
-        nd = nodes[i]
-        if want is None:
-            if nd.op is None:
-                if nd.requires_grad:
-                    result[i] = g
-                continue
-        elif i in want:
-            result[i] = g
-        if nd.op is None or not nd.requires_grad:
-            continue
-        parents = nd.parents
-        mask = tuple(nodes[p].requires_grad for p in parents)
-        if not any(mask):
-            continue
-        d = R.REGISTRY[nd.op]
-        if d.nondiff:
-            mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
-        specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
-        fn = R.get_vjp(nd.op, nd.attrs, specs, mask)
-        cts = fn(g, nd.value, *[nodes[p].value for p in parents])
-        k = 0
-        for p, m in zip(parents, mask):
-            if not m:
-                continue
-            ct = cts[k]
-            k += 1
-            prev = cot.get(p)
-            cot[p] = ct if prev is None else add_cotangents(prev, ct)
-    if want is not None:
-        for w in want:
-            if w not in result:
-                result[w] = _zeros(nodes[w])
-    return result

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ._tape import Node
 
 __all__ = [
+    "RemovableHandle",
     "Tensor",
     "TensorOps",
     "apply",
@@ -52,6 +53,32 @@ __all__ = [
 
 Operand = Any
 """What an op accepts as an operand: a Tensor, a Param, a number or an array."""
+
+
+class RemovableHandle:
+    """What ``register_hook`` returns: :meth:`remove` takes the hook off again (removing twice is a no-op).
+
+    >>> hooks = []
+    >>> h = RemovableHandle(hooks, print)
+    >>> len(hooks), h.remove(), len(hooks)
+    (1, None, 0)
+    """
+
+    __slots__ = ("_fn", "_hooks")
+
+    def __init__(self, hooks: list[Any], fn: Any) -> None:
+        hooks.append(fn)
+        self._hooks: list[Any] | None = hooks
+        self._fn = fn
+
+    def remove(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            for k, f in enumerate(hooks):
+                if f is self._fn:
+                    del hooks[k]
+                    break
+
 
 # --------------------------------------------------------------------------- which session records
 
@@ -290,6 +317,24 @@ class Tensor(TensorOps):
     def value(self) -> Array:
         """The forward value (a ``jax.Array``; a NumPy object array for exact rationals)."""
         return self.node.value
+
+    def register_hook(self, fn: Any) -> RemovableHandle:
+        """Call ``fn(cotangent)`` when a backward of this recording reaches this node.
+
+        ``fn`` sees the node's complete cotangent (every use summed) before it
+        flows to the node's inputs, and may return a replacement of the same
+        shape and dtype (None keeps it). Under ``create_graph=True`` it gets and
+        returns Tensors. Hooks end with the recording (``reset``).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     x = s.input(jnp.ones(2), requires_grad=True)
+        ...     h = x * 3.0
+        ...     hook = h.register_hook(lambda g: g * 0.5)
+        ...     s.backward(tfl.sum(h))[x].tolist()
+        [1.5, 1.5]
+        """
+        return check_handle(self, self._session).register_hook(self, fn)
 
     @property
     def op(self) -> str | None:

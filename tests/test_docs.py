@@ -120,13 +120,14 @@ def test_public_names_have_docstrings_with_examples() -> None:
 
 def test_every_registered_op_is_documented() -> None:
     text = (ROOT / "docs" / "ops.md").read_text()
-    undocumented = [op for op in tfl.ops() if f"`{op}`" not in text]
+    # ops registered at run time (tfl.lift, tfl.defop, tfl.checkpoint: by other tests, doc examples) are not on the page
+    undocumented = [op for op in tfl.ops() if not tfl.REGISTRY[op].user and f"`{op}`" not in text]
     assert not undocumented, f"ops missing from docs/ops.md: {undocumented}"
     spec = importlib.util.spec_from_file_location("gen_ops", ROOT / "docs" / "_ext" / "gen_ops.py")
     assert spec and spec.loader
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert text == gen.render(), "docs/ops.md is out of date: run python docs/_ext/gen_ops.py"
+    assert text == gen.render(include_user=False), "docs/ops.md is out of date: run python docs/_ext/gen_ops.py"
 
 
 def test_functions_stub_is_up_to_date() -> None:

@@ -1,4 +1,5 @@
-"""The examples run: the digits demo (+ checkpoint restore), the char-level LM, the scripts, the notebook."""
+"""The examples run: the digits demo (+ checkpoint restore), the char-level LM, the scripts, WGAN-GP and MAML
+(against pure-JAX oracles), the notebook."""
 
 from __future__ import annotations
 
@@ -89,12 +90,154 @@ def test_char_lm_loss_decreases_and_output_is_tied() -> None:
 # --------------------------------------------------------------------------- scripts
 
 
-@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py"])
+# command-line arguments that keep a script short in the suite (the others run with their defaults)
+SCRIPT_ARGS = {
+    "gradient_penalty.py": ["--steps", "2", "--log-every", "1"],
+    "maml.py": ["--steps", "2", "--log-every", "1"],
+}
+
+
+@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py", "gradient_penalty.py", "maml.py"])
 def test_script_runs(script: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(EXAMPLES / script), *SCRIPT_ARGS.get(script, [])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+# --------------------------------------------------------------------------- higher order: WGAN-GP and MAML
+
+
+def test_gradient_penalty_trains_the_critic_toward_unit_gradient_norm() -> None:
+    gp = _load("gradient_penalty")
+    hist = gp.train(steps=12, log_every=6, quiet=True)["history"]
+    assert [h["step"] for h in hist] == [0, 6, 12]
+    assert all(np.isfinite([h["wasserstein"], h["grad_norm"], h["penalty"], h["dist"]]).all() for h in hist)
+    first, last = hist[0], hist[-1]
+    assert first["grad_norm"] < 0.5 and abs(last["grad_norm"] - 1.0) < 0.2, (first, last)
+    assert last["penalty"] < first["penalty"] / 4
+    assert last["dist"] < first["dist"]  # the generator's samples moved toward the modes
+
+
+def _mlp_pure(ws: list[Any], x: Any) -> Any:
+    """tfl.nn.MLP with ReLU, as a pure function of [W1, b1, W2, b2, ...]."""
+    n = len(ws) // 2
+    for i in range(n):
+        x = x @ ws[2 * i] + ws[2 * i + 1]
+        if i < n - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float64, 1e-9), (np.float32, 1e-5)])
+def test_gradient_penalty_critic_gradient_equals_pure_jax(dtype: Any, tol: float) -> None:
+    """The example's critic loss (penalty via create_graph=True) vs jax.grad of a loss that calls jax.grad."""
+    gp = _load("gradient_penalty")
+    rng = np.random.default_rng(3)
+    m = gp.make(1, dtype=dtype)  # the example's shapes (its kernels are compiled once per test session)
+    critic, gen = m["critic"], m["gen"]
+    n = 256
+    real = gp.sample_real(rng, n).astype(dtype)
+    fake = (0.5 * rng.normal(size=(n, 2))).astype(dtype)
+    eps = rng.uniform(size=(n, 1)).astype(dtype)
+    z = rng.normal(size=(n, 2)).astype(dtype)
+
+    def pure_critic_loss(ws: list[Any]) -> Any:
+        x_hat = eps * real + (1 - eps) * fake
+        gx = jax.grad(lambda x: jnp.sum(_mlp_pure(ws, x)))(x_hat)
+        norms = jnp.sqrt(jnp.sum(gx * gx, axis=1) + 1e-12)
+        w = jnp.mean(_mlp_pure(ws, real)) - jnp.mean(_mlp_pure(ws, fake))
+        return -w + 10.0 * jnp.mean((norms - 1.0) ** 2)
+
+    def first_order_loss(ws: list[Any]) -> Any:  # the penalty's gradient treated as a constant
+        x_hat = eps * real + (1 - eps) * fake
+        gx = jax.lax.stop_gradient(jax.grad(lambda x: jnp.sum(_mlp_pure(ws, x)))(x_hat))
+        norms = jnp.sqrt(jnp.sum(gx * gx, axis=1) + 1e-12)
+        w = jnp.mean(_mlp_pure(ws, real)) - jnp.mean(_mlp_pure(ws, fake))
+        return -w + 10.0 * jnp.mean((norms - 1.0) ** 2)
+
+    ps = critic.parameters()
+    vals = [jnp.asarray(p.value) for p in ps]
+    with tfl.Session() as s:
+        loss, _, _ = gp.critic_loss(s, critic, real, fake, eps, 10.0)
+        g = s.backward(loss)
+        got = [np.asarray(g[p]) for p in ps]
+        got_loss = float(loss)
+    want_loss, want = jax.value_and_grad(pure_critic_loss)(vals)
+    np.testing.assert_allclose(got_loss, float(want_loss), rtol=tol, atol=tol)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in want)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a, np.asarray(b), rtol=tol, atol=tol * scale)
+    # the second-order term matters: without it the gradient is clearly different
+    fo = jax.grad(first_order_loss)(vals)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(fo, want)) > 1e-2 * scale
+
+    # and the generator's gradient through the critic
+    gvals = [jnp.asarray(p.value) for p in gen.parameters()]
+    with tfl.Session() as s:
+        gg = s.backward(gp.generator_loss(s, gen, critic, z))
+        got_g = [np.asarray(gg[p]) for p in gen.parameters()]
+    want_g = jax.grad(lambda ws: -jnp.mean(_mlp_pure(vals, _mlp_pure(ws, z))))(gvals)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=tol, atol=tol * max(1.0, float(jnp.max(jnp.abs(b)))))
+
+
+def test_maml_meta_loss_decreases_and_adaptation_helps() -> None:
+    maml = _load("maml")
+    out = maml.train(steps=40, log_every=20, eval_tasks=5, quiet=True)
+    (s1, l1), (s2, l2) = out["history"]
+    assert (s1, s2) == (20, 40) and np.isfinite([l1, l2]).all()
+    assert l2 < l1, out["history"]
+    ev = out["eval"]
+    assert ev[1] < ev[0], ev  # one inner step on 10 support points lowers the query loss
+
+
+def _maml_pure(ws: list[Any], tasks: list[Any], alpha: float, steps: int, first_order: bool = False) -> Any:
+    def mse(w: list[Any], x: Any, y: Any) -> Any:
+        return jnp.mean((_mlp_pure(w, x) - y) ** 2)
+
+    total = 0.0
+    for t in tasks:
+        fast = list(ws)
+        for _ in range(steps):
+            g = jax.grad(mse)(fast, t.xs, t.ys)
+            if first_order:
+                g = jax.lax.stop_gradient(g)
+            fast = [w - alpha * gw for w, gw in zip(fast, g)]
+        total = total + mse(fast, t.xq, t.yq)
+    return total / len(tasks)
+
+
+@pytest.mark.parametrize(
+    "dtype, inner_steps, tol", [(np.float64, 1, 1e-9), (np.float64, 2, 1e-9), (np.float32, 1, 1e-5)]
+)
+def test_maml_meta_gradient_equals_pure_jax(dtype: Any, inner_steps: int, tol: float) -> None:
+    """The example's second-order meta-gradient vs jax.grad of the same MAML objective (same weights and tasks)."""
+    maml = _load("maml")
+    model = maml.make(2, dtype=dtype)  # the example's shapes (its kernels are compiled once per test session)
+    tasks = maml.sample_tasks(np.random.default_rng(4), 3, dtype=dtype)
+    ps = model.parameters()
+    vals = [jnp.asarray(p.value) for p in ps]
+    alpha = 0.05
+    with tfl.Session() as s:
+        loss = maml.meta_loss(s, ps, tasks, alpha, inner_steps)
+        g = s.backward(loss)
+        got = [np.asarray(g[p]) for p in ps]
+        got_loss = float(loss)
+    want_loss, want = jax.value_and_grad(_maml_pure)(vals, tasks, alpha, inner_steps)
+    np.testing.assert_allclose(got_loss, float(want_loss), rtol=tol, atol=tol)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in want)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(a, np.asarray(b), rtol=tol, atol=tol * scale)
+    # the oracle can tell second from first order: first-order MAML gives a clearly different gradient
+    fo = jax.grad(_maml_pure)(vals, tasks, alpha, inner_steps, True)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(fo, want)) > 1e-3 * scale
 
 
 # --------------------------------------------------------------------------- rich display

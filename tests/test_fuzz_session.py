@@ -34,14 +34,14 @@ Profiles: the default (CI) settings below run in about a minute on two cores;
 ``pytest tests/test_fuzz_session.py --hypothesis-profile=long`` (registered in
 ``tests/conftest.py``) runs for about ten minutes.
 
-Known library bugs, each tolerated by one narrow ``# KNOWN-BUG (finding N)`` guard (remove it with the fix):
+Findings so far (each fixed, each now checked by the model):
 
-1. ``s.apply("sum", x, axis={1: 0, "a": 1})`` raises a bare ``TypeError`` from ``normalize_attrs``
-   (sorting mixed-type mapping keys) instead of the documented ``TapeError``.
-2. ``train_step`` whose loss uses none of the optimizer's storages still runs the optax update (Adam's
-   ``count`` advances); the eager ``Optimizer.step`` of the same recording changes nothing.
-3. ``s.set_rng_state(counter=2**63 - 1); s.normal(())`` leaves ``rng_counter == 2**63``; ``tfl.save``
-   accepts it, and ``tfl.restore`` / ``tfl.save(..., overwrite=True)`` then reject that checkpoint.
+1. ``s.apply("sum", x, axis={1: 0, "a": 1})`` raised a bare ``TypeError`` from ``normalize_attrs``
+   (sorting mixed-type mapping keys) instead of the op's ``TapeError``.
+2. A ``train_step`` whose loss used none of the optimizer's storages still ran the optax update (Adam's
+   ``count`` advanced); the eager ``Optimizer.step`` of the same recording changes nothing.
+3. A draw at ``rng_counter == 2**63 - 1`` moved the counter out of its range, and ``tfl.save`` then wrote a
+   checkpoint that ``tfl.restore`` rejected; that draw is now refused.
 """
 
 from __future__ import annotations
@@ -510,14 +510,13 @@ class SessionFuzz(RuleBasedStateMachine):
         return {i: np.asarray(v) for i, v in g.items()}, float(loss)
 
     # ----------------------------------------------------------------- optimizer model
-    def ref_update(self, o: OptRec, grads: dict[int, np.ndarray], *, unused_step: bool = False) -> None:
+    def ref_update(self, o: OptRec, grads: dict[int, np.ndarray]) -> None:
         """The model of one step of ``o`` with per-storage gradients ``grads`` (storages used by the recording).
 
-        A step that uses none of ``o``'s storages changes nothing (``unused_step=True``: it still runs the
-        optax update, so global counters advance; see finding 2).
+        A step that uses none of ``o``'s storages changes nothing, eager or compiled.
         """
         used = [st_ in grads for st_ in o.slots]
-        if not any(used) and not unused_step:
+        if not any(used):
             return
         vals = [self.values[st_] for st_ in o.slots]
         g = [grads[st_] if u else np.zeros_like(v) for st_, u, v in zip(o.slots, used, vals)]
@@ -948,6 +947,9 @@ class SessionFuzz(RuleBasedStateMachine):
         if bad:
             self.rejected(call, TapeError, None, f"bad {kind}")
             return
+        if sr.counter == 2**63 - 1:  # the last counter value: a draw would leave the documented range
+            self.rejected(call, TapeError, "RNG counter is at its last value", f"{kind} at the last counter")
+            return
         n0, c0 = len(sr.s.tape), sr.counter
         t = call()
         sr.counter += 1
@@ -979,8 +981,14 @@ class SessionFuzz(RuleBasedStateMachine):
         rate = data.draw(st.sampled_from([0.0, 0.25, 0.5]), label="rate")
         training = data.draw(st.sampled_from([None, True, False]), label="training")
         n0, c0 = len(sr.s.tape), sr.counter
+        draws = (sr.grad if training is None else training) and rate != 0.0
+        if draws and c0 == 2**63 - 1:
+            self.rejected(
+                lambda: tfl.dropout(x.t, rate, training), TapeError, "last value", "dropout at the last counter"
+            )
+            return
         t = tfl.dropout(x.t, rate, training)
-        if not (sr.grad if training is None else training) or rate == 0.0:
+        if not draws:
             assert t is x.t and len(sr.s.tape) == n0 and sr.s.rng_counter == c0
             return
         sr.counter += 1
@@ -1271,9 +1279,7 @@ class SessionFuzz(RuleBasedStateMachine):
         got = sr.step(*args)
         assert sr.step.step_count == count + 1
         close(got, np.float32(loss), "train_step loss")
-        # KNOWN-BUG (finding 2): a compiled step whose loss uses none of the optimizer's storages still
-        # runs the optax update (Adam's count advances); the eager Optimizer.step changes nothing then.
-        self.ref_update(o, mine, unused_step=not mine)
+        self.ref_update(o, mine)
         self.check_and_adopt(f"train_step({o.kind})")
 
     # ----------------------------------------------------------------- Params
@@ -1296,11 +1302,6 @@ class SessionFuzz(RuleBasedStateMachine):
         path = os.path.join(self.tmp, name)
         o = data.draw(st.one_of(st.none(), st.sampled_from(self.opts)), label="optimizer")
         sr = data.draw(st.one_of(st.none(), st.sampled_from(self.sessions)) if self.sessions else st.none())
-        if sr is not None and sr.counter >= 2**63:
-            # KNOWN-BUG (finding 3): a draw at counter 2**63 - 1 moves the counter to 2**63, outside the
-            # documented [0, 2**63); save accepts it and writes a checkpoint that restore (and a later
-            # save(overwrite=True)) then rejects as corrupted. Save without the session instead.
-            sr = None
         recs = tuple(range(len(self.records)))
         if data.draw(st.integers(0, 3), label="subset") == 0:
             # in registration order: restore checks counts, layout, shapes and dtypes, not list positions' names

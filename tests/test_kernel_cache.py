@@ -19,15 +19,15 @@ import pytest
 from _helpers import _assert_unchanged, _state
 
 import tapeflow as tfl
-from tapeflow import _random
+from tapeflow import _kernels, _random
 from tapeflow import _registry as R
 
 
 @pytest.fixture(autouse=True)
 def default_cache_size():
-    tfl.set_kernel_cache_size(R.DEFAULT_KERNEL_CACHE_SIZE)
+    tfl.set_kernel_cache_size(_kernels.DEFAULT_KERNEL_CACHE_SIZE)
     yield
-    tfl.set_kernel_cache_size(R.DEFAULT_KERNEL_CACHE_SIZE)
+    tfl.set_kernel_cache_size(_kernels.DEFAULT_KERNEL_CACHE_SIZE)
 
 
 def _compiled(info: dict[str, int]) -> dict[str, int]:
@@ -252,7 +252,7 @@ def test_a_rejected_runtime_value_leaves_the_caches_and_their_order_alone():
     t, (x, y) = _tape(jnp.ones((3, 4)), jnp.ones((2,)))
     assert tfl.record(t, "clamp", (x,), lo=0.5)[1].is_ok
     assert tfl.record(t, "exp", (y,))[1].is_ok  # the clamp kernel is now least recently used
-    before, order = tfl.kernel_cache_info(), [list(c) for c in R._CACHES.values()]
+    before, order = tfl.kernel_cache_info(), [list(c) for c in _kernels._CACHES.values()]
     for attrs, needle in [
         ({"lo": float("nan")}, "attribute lo=nan is NaN"),
         ({"lo": 2.0, "hi": 1.0}, "lo=2.0 is greater than hi=1.0"),
@@ -261,7 +261,7 @@ def test_a_rejected_runtime_value_leaves_the_caches_and_their_order_alone():
         t2, r = tfl.record(t, "clamp", (x,), **attrs)
         assert t2 is t and not r.is_ok and needle in r.error, r.error
         assert tfl.kernel_cache_info() == before
-        assert [list(c) for c in R._CACHES.values()] == order
+        assert [list(c) for c in _kernels._CACHES.values()] == order
     s = tfl.Session()
     h = s.input(jnp.ones((3, 4)))
     state = _state(s)
@@ -283,7 +283,7 @@ def _exp_of(n: int):
 
 def test_eviction_is_least_recently_used_counted_and_recompiles_correctly():
     tfl.clear_kernel_caches()
-    assert tfl.set_kernel_cache_size(3) == R.DEFAULT_KERNEL_CACHE_SIZE
+    assert tfl.set_kernel_cache_size(3) == _kernels.DEFAULT_KERNEL_CACHE_SIZE
     for n in (1, 2, 3):
         assert _exp_of(n)[1].is_ok
     assert tfl.kernel_cache_info()["fwd"] == 3 and tfl.kernel_cache_info()["evictions"] == 0
@@ -306,7 +306,15 @@ def test_eviction_is_least_recently_used_counted_and_recompiles_correctly():
     assert info["fwd"] == info["fwd_jit"] == 3
     assert info["evictions"] >= 2 + 2 + 4
     tfl.clear_kernel_caches()
-    assert tfl.kernel_cache_info() == {"fwd": 0, "vjp": 0, "fwd_jit": 0, "random": 0, "max_size": 3, "evictions": 0}
+    assert tfl.kernel_cache_info() == {
+        "fwd": 0,
+        "vjp": 0,
+        "jvp": 0,
+        "fwd_jit": 0,
+        "random": 0,
+        "max_size": 3,
+        "evictions": 0,
+    }
 
 
 def test_vjp_and_random_caches_are_bounded_too():
@@ -329,7 +337,7 @@ def test_shrinking_evicts_at_once():
     tfl.clear_kernel_caches()
     for n in (1, 2, 3, 4, 5):
         _exp_of(n)
-    assert tfl.set_kernel_cache_size(2) == R.DEFAULT_KERNEL_CACHE_SIZE
+    assert tfl.set_kernel_cache_size(2) == _kernels.DEFAULT_KERNEL_CACHE_SIZE
     info = tfl.kernel_cache_info()
     assert info["fwd"] == 2 and info["evictions"] == 3
     assert [key[2][0][0] for key in R._FWD_CACHE] == [(4,), (5,)]

@@ -120,3 +120,45 @@ class TestRandomness:
         x2 = s2.input(jnp.ones(4))
         assert tfl.dropout(x2, 0.5, training=False) is x2
         assert s2.rng_counter == 0
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda s, x: s.normal((2,)),
+        lambda s, x: s.rand_uniform((2,)),
+        lambda s, x: s.bernoulli_mask((2,), 0.5),
+        lambda s, x: s.random_key(),
+        lambda s, x: tfl.dropout(x, 0.5, True),
+    ],
+    ids=["normal", "rand_uniform", "bernoulli_mask", "random_key", "dropout"],
+)
+def test_draw_at_the_last_counter_value_is_refused_and_the_state_stays_savable(draw, tmp_path):
+    s = tfl.Session(seed=3)
+    s.set_rng_state(counter=2**63 - 2)
+    x = s.input(jnp.ones(2))
+    draw(s, x)  # the last draw that keeps the counter in [0, 2**63)
+    assert s.rng_counter == 2**63 - 1
+    n = len(s.tape)
+    with pytest.raises(TapeError, match=r"RNG counter is at its last value.*nothing was drawn.*set_rng_state"):
+        draw(s, x)
+    assert (s.rng_counter, len(s.tape)) == (2**63 - 1, n)
+    p = tfl.Param(jnp.ones(2))
+    tfl.save(tmp_path / "ck", [p], session=s)
+    s2 = tfl.Session()
+    tfl.restore(tmp_path / "ck", [p], session=s2)
+    assert (s2.seed, s2.rng_counter) == (3, 2**63 - 1)
+    s.set_rng_state(seed=4, counter=0)
+    draw(s, x)
+    assert s.rng_counter == 1
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 1.5, True, "0"])
+def test_session_seed_out_of_range_or_not_an_int_is_refused(seed):
+    with pytest.raises(TapeError, match=r"Session: seed must be an int in \[-2\*\*63, 2\*\*63\)"):
+        tfl.Session(seed=seed)
+
+
+def test_session_seed_accepts_the_ends_of_its_range():
+    for seed in (-(2**63), 2**63 - 1, np.int64(5)):
+        assert tfl.Session(seed=seed).seed == int(seed)

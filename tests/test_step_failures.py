@@ -269,3 +269,16 @@ def test_deferred_interrupts_nest_and_deliver_after_the_outer_block():
         reached.append("after")  # never: the held Ctrl-C is delivered as the outer block ends
     assert reached == ["inner", "outer"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_step_whose_loss_uses_none_of_the_optimizers_storages_changes_nothing(make_step):
+    """Not even shared optax state (Adam's count): both paths treat "no storage used" the same way."""
+    W, b = model()
+    other = tfl.Param(jnp.ones(2, F32), name="other")
+    opt = tfl.Optimizer(optax.adam(0.1), [other])
+    step = make_step(opt, W, b)  # the loss reads W and b only
+    before = snapshot(opt, other)
+    for _ in range(3):
+        step(X)
+    assert_same(snapshot(opt, other), before)
+    assert int(opt.state[0].count) == 0

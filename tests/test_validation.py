@@ -43,9 +43,12 @@ def test_set_rng_state_rejects_out_of_range_and_changes_nothing(kwargs: dict[str
 
 def test_set_rng_state_accepts_the_range_ends_and_draws_there() -> None:
     s = tfl.Session()
-    s.set_rng_state(seed=-(2**63), counter=2**63 - 1)
-    assert (s.seed, s.rng_counter) == (-(2**63), 2**63 - 1)
-    assert s.normal((2,)).shape == (2,)
+    s.set_rng_state(seed=-(2**63), counter=2**63 - 2)
+    assert (s.seed, s.rng_counter) == (-(2**63), 2**63 - 2)
+    assert s.normal((2,)).shape == (2,)  # the last draw: the counter reaches 2**63 - 1, still in range
+    assert s.rng_counter == 2**63 - 1
+    with pytest.raises(tfl.TapeError, match="last value"):
+        s.normal((2,))
     s.set_rng_state(seed=2**63 - 1, counter=2**40)
     assert s.normal((2,)).shape == (2,)
     assert s.rng_counter == 2**40 + 1
