@@ -56,6 +56,7 @@ def test_200_dropout_rates_add_a_constant_number_of_kernels():
     x = s.input(jnp.ones((16, 8), jnp.float32))
     tfl.dropout(x, 0.5, training=True)  # warm: bernoulli draw, mul, where
     before = _compiled(tfl.kernel_cache_info())
+    evictions = tfl.kernel_cache_info()["evictions"]  # the suite may have filled the caches before
     n_random = len(_random._KERNELS)
     kept = []
     for i in range(200):
@@ -67,7 +68,7 @@ def test_200_dropout_rates_add_a_constant_number_of_kernels():
     assert _grown(before) == {"fwd": 0, "vjp": 0, "fwd_jit": 0, "random": 0}
     assert len(_random._KERNELS) == n_random
     assert kept[0] > 0.9 and kept[-1] < 0.4  # the rate really is a runtime value
-    assert tfl.kernel_cache_info()["evictions"] == 0
+    assert tfl.kernel_cache_info()["evictions"] == evictions
 
 
 def test_200_clamp_bounds_add_a_constant_number_of_kernels():
