@@ -76,8 +76,10 @@ def batches(n: int, batch: int, rng: np.random.Generator) -> list[np.ndarray]:
     return [order[i : i + batch] for i in range(0, n - batch + 1, batch)]
 
 
-def accuracy(model: TiedAutoencoderClassifier, x: np.ndarray, y: np.ndarray, device: Any) -> float:
-    with tfl.Session(device=device, grad_enabled=False) as s:  # inference: no VJPs
+def accuracy(
+    model: TiedAutoencoderClassifier, x: np.ndarray, y: np.ndarray, device: Any, compute_dtype: Any = None
+) -> float:
+    with tfl.Session(device=device, grad_enabled=False, compute_dtype=compute_dtype) as s:  # inference: no VJPs
         _, _, logits = model(s, x)
         pred = np.asarray(logits.value).argmax(axis=1)
     return float((pred == y).mean())
@@ -102,6 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--device", default=None, help="cpu, gpu, ... (default: JAX's default device)")
     ap.add_argument("--checkpoint", default="checkpoints/demo", help="where to save the trained model")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument(
+        "--compute-dtype",
+        default=None,
+        help="mixed precision, e.g. bfloat16: float32 parameters, ops computed in this dtype (default: float32)",
+    )
     args = ap.parse_args(argv)
 
     from tqdm.auto import tqdm
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x_tr, x_te, y_tr, y_te = load_data(args.seed)
     model, opt = make(args.seed, args.lr)
     rng = np.random.default_rng(args.seed)
-    session = tfl.Session(device=args.device, seed=args.seed)
+    session = tfl.Session(device=args.device, seed=args.seed, compute_dtype=args.compute_dtype)
     print(f"tapeflow {tfl.__version__} on {session.device}: {len(x_tr)} train / {len(x_te)} test digits")
 
     steps = args.epochs * (len(x_tr) // args.batch)
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bar.update()
     bar.close()
 
-    acc = accuracy(model, x_te, y_te, args.device)
+    acc = accuracy(model, x_te, y_te, args.device, args.compute_dtype)
     print(f"test accuracy: {acc:.4f}")
 
     # Same model code, eager step vs one compiled train_step (fresh copies, same data).

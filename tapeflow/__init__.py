@@ -80,6 +80,7 @@ from ._jvp import jvp
 from ._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
 from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices, tie
+from ._precision import dynamic_loss_scale
 from ._registry import REGISTRY, OpDef, ops
 from ._remat import checkpoint
 from ._result import Err, Ok, Result, TapeError
@@ -128,6 +129,7 @@ __all__ = [
     "cos",
     "cross_entropy",
     "current_session",
+    "dynamic_loss_scale",
     "defop",
     "div",
     "dropout",

@@ -18,8 +18,9 @@ disappears from the compiled program.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TypeAlias, TypedDict, Unpack
+from typing import Any, TypeAlias, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,9 @@ from ._optim import Optimizer, SlotKey
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._session import Session
+from ._state import mode_reads
 from ._tensor import Tensor
-from ._typing import Array, OptState, PRNGKey, PyTree
+from ._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 
 __all__ = ["TrainStep", "TrainStepOptions", "param_values", "train_step", "value_and_grad"]
 
@@ -58,8 +60,10 @@ def param_values(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
 
 
-def _functional_session(overrides: dict[Storage, Array], key: PRNGKey | None) -> Session:
-    return Session(device=None, seed=0, param_values=overrides, rng_key=key)
+def _functional_session(
+    overrides: dict[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
+) -> Session:
+    return Session(device=None, seed=0, param_values=overrides, rng_key=key, compute_dtype=compute_dtype)
 
 
 def _trace_loss(
@@ -69,8 +73,9 @@ def _trace_loss(
     key: PRNGKey | None,
     args: tuple[PyTree, ...],
     kwargs: dict[str, PyTree],
+    compute_dtype: DTypeLike | None = None,
 ) -> tuple[Session, Tensor, PyTree]:
-    s = _functional_session(overrides, key)
+    s = _functional_session(overrides, key, compute_dtype)
     with s.as_current():
         out: PyTree = loss_fn(s, *args, **kwargs)
     if has_aux:
@@ -110,7 +115,9 @@ def _leaf_path(params: PyTree, i: int) -> str:
     return jax.tree_util.keystr(path)
 
 
-def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., tuple[PyTree, PyTree]]:
+def value_and_grad(
+    loss_fn: LossFn, *, has_aux: bool = False, has_state: bool = False, compute_dtype: DTypeLike | None = None
+) -> Callable[..., tuple[PyTree, ...]]:
     """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
 
     ``params`` is any pytree whose leaves are :class:`Param` s (a dict by name, a
@@ -127,6 +134,17 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
     tensors for the call. Under a JAX transformation every Param ``loss_fn``
     reads must be in ``params``: one read at its current value would be baked
     into the compiled program, so it is refused with a :class:`TapeError`.
+
+    ``f`` never writes a storage. State cells that ``loss_fn`` assigns
+    (:meth:`Session.assign_state`: BatchNorm's running statistics in train
+    mode) need ``has_state=True``: ``f`` then returns ``(loss, grads, state)``
+    (``((loss, aux), grads, state)`` with ``has_aux``), where ``state`` has the
+    structure of ``params`` and holds the new value of each assigned Param and
+    None for the others; write it back yourself (``p.value = v``) when the step
+    is accepted. Without ``has_state`` an assignment is refused with a
+    :class:`TapeError` rather than dropped; every assigned Param must be in
+    ``params``. ``compute_dtype`` sets the session's mixed-precision policy,
+    as ``Session(compute_dtype=...)``.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
@@ -156,7 +174,7 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
                 )
         storages = [p.storage for p in leaves]
         overrides = {p.storage: p.value for p in leaves}
-        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs)
+        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype)
         unlisted = s.unlisted_storages
         if unlisted and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((leaves, args, kwargs))):
             raise TapeError(
@@ -165,17 +183,36 @@ def value_and_grad(loss_fn: LossFn, *, has_aux: bool = False) -> Callable[..., t
                 "later changes. Pass those Params in params (their gradients are returned too), or pass their "
                 "values as arguments (tfl.param_values(...))"
             )
+        writes = s.state_writes
+        if writes and not has_state:
+            first = next(iter(writes))
+            raise TapeError(
+                f"value_and_grad: loss_fn assigned {len(writes)} state cell(s) ({first!r} first; e.g. BatchNorm's "
+                "running statistics in train mode). Pass has_state=True to get their new values back, or put the "
+                "module in eval mode (module.eval())"
+            )
+        listed = set(storages)
+        outside = [st for st in writes if st not in listed]
+        if outside:
+            raise TapeError(
+                f"value_and_grad(has_state=True): loss_fn assigned {outside[0]!r}, which is not in params; pass "
+                "every state cell in params (a module's param_dict() lists its running statistics)"
+            )
         gl, _ = _storage_grads(s, loss, storages)
         value = s.node(loss).value
         grads = jax.tree_util.tree_unflatten(treedef, gl)
-        return ((value, aux), grads) if has_aux else (value, grads)
+        out = ((value, aux), grads) if has_aux else (value, grads)
+        if not has_state:
+            return out
+        state = jax.tree_util.tree_unflatten(treedef, [writes.get(st) for st in storages])
+        return (*out, state)
 
     functools.update_wrapper(f, loss_fn, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     return f
 
 
 class _Retrace(Exception):
-    """Raised inside a trace that read Params the optimizer does not own; carries them."""
+    """Raised inside a trace that read Params the optimizer does not own (it carries them) or modes not yet keyed."""
 
     def __init__(self, storages: tuple[Storage, ...]) -> None:
         super().__init__(f"{len(storages)} storage(s) to pass as arguments")
@@ -186,7 +223,7 @@ class TrainStepOptions(TypedDict, total=False):
     """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
 
     >>> sorted(TrainStepOptions.__annotations__)
-    ['data_axis', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
+    ['compute_dtype', 'data_axis', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
     """
 
     mesh: Mesh | None
@@ -196,6 +233,7 @@ class TrainStepOptions(TypedDict, total=False):
     has_aux: bool
     seed: int
     static_argnames: tuple[str, ...] | list[str] | str
+    compute_dtype: DTypeLike | None
 
 
 class TrainStep:
@@ -220,8 +258,10 @@ class TrainStep:
         has_aux: bool = False,
         seed: int = 0,
         static_argnames: tuple[str, ...] | list[str] | str = (),
+        compute_dtype: DTypeLike | None = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.compute_dtype = compute_dtype
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.optimizer = optimizer
         self.mesh = mesh
@@ -234,8 +274,12 @@ class TrainStep:
         # the abstract signatures traced so far: one compiled program each (see cache_size)
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
-        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6))
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8))
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
+        self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
+        # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
+        self._moded: list[weakref.ref[Any]] = []
+        self._mode_retrace = True  # a trace may ask for one retrace per call to key on newly read modes
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
@@ -254,22 +298,39 @@ class TrainStep:
         static_kwargs: tuple[tuple[str, Hashable], ...],
         check_finite: bool,
         extra_values: list[Array],
-    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None]:
+        modes: tuple[tuple[int, bool], ...],
+    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None, dict[int, Array]]:
         self.trace_count += 1
         leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
-        signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs)
+        signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs, modes)
         kwargs = {**kwargs, **dict(static_kwargs)}
         opt = self.optimizer
         storages = opt.storages
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = dict(zip(storages, values))
         overrides.update(zip(self._extra, extra_values))  # extra_values always holds self._extra's values
-        s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs)
+        with mode_reads() as reads:
+            s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype)
         new = tuple(st for st in s.unlisted_storages if st not in self._extra)
-        if new:  # Params the optimizer does not own: trace again with them as arguments, never as constants
+        known = {id(r()) for r in self._moded}
+        moded = [weakref.ref(m) for i, m in reads.items() if i not in known]
+        self._moded += moded  # keyed from the next program on (a module made inside loss_fn dies and drops out)
+        # Params the optimizer does not own: trace again with them as arguments, never as constants;
+        # modes read for the first time: trace again (once per call) with them in the program's key
+        if new or (moded and self._mode_retrace):
             raise _Retrace(new)
         self._signatures.add(signature)
         grads, used = _storage_grads(s, loss, storages)
+        # state cells (running statistics) assigned by the recording: returned as outputs, keyed by storage uid
+        writes = s.state_writes
+        for k, st in enumerate(storages):
+            if used[k] and st in writes:
+                raise TapeError(
+                    f"train_step: loss_fn assigned {opt.describe(k)} as state and also trains it; a storage is "
+                    "either a state cell or a trained parameter"
+                )
+        self._state_cells.update((st.uid, st) for st in writes)
+        state_out = {st.uid: v for st, v in writes.items()}
         new_vals, new_state = opt.update(values, state, grads, used)
         for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
             if tuple(v.shape) != st.shape or np.dtype(v.dtype) != st.dtype:
@@ -285,7 +346,7 @@ class TrainStep:
             new_vals = [jnp.where(ok, n, v) for n, v in zip(new_vals, values)]
             new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
             next_counter = jnp.where(ok, next_counter, counter)
-        return new_vals, new_state, next_counter, s.node(loss).value, aux, flags
+        return new_vals, new_state, next_counter, s.node(loss).value, aux, flags, state_out
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
@@ -379,14 +440,24 @@ class TrainStep:
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         extra = self._extra
         extra_values = self._read_extra(extra) if extra else []
+        self._mode_retrace = True
         while True:
             try:
                 out = self._compiled(
-                    values, state, self._counter, args, kwargs, static, bool(opt.check_finite), extra_values
+                    values,
+                    state,
+                    self._counter,
+                    args,
+                    kwargs,
+                    static,
+                    bool(opt.check_finite),
+                    extra_values,
+                    self._modes() if self._moded else (),
                 )
                 break
             except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
                 extra = self._extra = extra + r.storages
+                self._mode_retrace = False
                 extra_values = self._read_extra(extra)
             except Exception as e:
                 if self.donate and any(isinstance(v, jax.Array) and v.is_deleted() for v in values):
@@ -396,13 +467,15 @@ class TrainStep:
                         "them from a checkpoint; with donate=False (the default) a failed step keeps them"
                     ) from e
                 raise
-        new_vals, new_state, counter, loss, aux, flags = out
+        new_vals, new_state, counter, loss, aux, flags, state_out = out
         ok = None if flags is None else np.asarray(flags)
         finite = ok is None or bool(ok.all())
-        with deferred_interrupts():  # parameters, optimizer state and counters change together or not at all
+        # a step with a non-finite gradient keeps the old state cells, as it keeps the old parameters
+        cells = [(self._state_cells[uid], v) for uid, v in state_out.items()] if finite and state_out else []
+        with deferred_interrupts():  # parameters, optimizer state, state cells and counters change together
             # one device: the trace checked shape and dtype, and the program leaves each value on the
             # device of the cell it read, so the unchecked fast write into that cell is exact
-            opt.install(new_vals, new_state, exact=self.mesh is None)
+            opt.install(new_vals, new_state, exact=self.mesh is None, state_writes=cells)
             self._counter = counter
             if finite:
                 self.step_count += 1
@@ -412,6 +485,13 @@ class TrainStep:
             bad = int(np.argmin(ok))
             raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
         return (loss, aux) if self.has_aux else loss
+
+    def _modes(self) -> tuple[tuple[int, bool], ...]:
+        """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
+        alive = [m for m in (r() for r in self._moded) if m is not None]
+        if len(alive) < len(self._moded):
+            self._moded = [weakref.ref(m) for m in alive]
+        return tuple((id(m), bool(m.training)) for m in alive)  # read outside any trace: not noted
 
     def cache_size(self) -> int:
         """How many programs are compiled: one per distinct signature traced so far.
@@ -455,6 +535,16 @@ def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainSte
     * ``static_argnames``: keyword arguments of ``loss_fn`` passed as compile-time
       constants (hashable Python values such as a flag or a mode string); each
       new value compiles a new program.
+    * ``compute_dtype``: the mixed-precision policy of the session ``loss_fn``
+      records on, as ``Session(compute_dtype=...)`` (float32 master weights).
+
+    State cells (non-trainable Params that ``loss_fn`` assigns with
+    :meth:`Session.assign_state`, such as BatchNorm's running statistics in
+    train mode) are program inputs read at their current value on every call
+    (never constants) and outputs of the program: their new values are
+    installed together with the parameters and the optimizer state, and a step
+    that fails (an exception, or a non-finite gradient with ``check_finite``)
+    leaves them unchanged, as it leaves the parameters.
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array(3.0), name="w")

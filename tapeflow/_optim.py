@@ -37,6 +37,7 @@ from ._grads import Grads, ParameterGroup, sum_in_leaf_order
 from ._interrupts import deferred_interrupts
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
+from ._state import StateLog, state_log_of
 from ._typing import Array, ArrayLike, OptState, PyTree
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ UpdateFn: TypeAlias = Callable[[list[Array | None], OptState, list[Array]], tupl
 def _records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]:
     """Flatten the user's parameter collection into registrations (+ names for a mapping)."""
     if hasattr(params, "named_parameters") and callable(params.named_parameters):
-        named = list(params.named_parameters())
+        # a module's trainable parameters: state cells (BatchNorm's running statistics) and frozen Params get no slot
+        named = [(n, p) for n, p in params.named_parameters() if getattr(p, "trainable", True)]
         return [p for _, p in named], [n for n, _ in named]
     if isinstance(params, Param):
         return [params], None
@@ -140,7 +142,8 @@ class Optimizer:
     ``params`` is a sequence of :class:`Param` s, a mapping ``name -> Param`` (the
     optax params pytree is then a dict keyed by the first name of each storage,
     which ``optax.multi_transform`` labels can use), or a module with
-    ``named_parameters()``.
+    ``named_parameters()`` (its trainable ones: state cells such as BatchNorm's
+    running statistics and frozen Params get no optimizer slot).
 
     * ``opt.storages`` (alias ``opt.params``): the canonical storages, in
       first-registration order (one per slot); ``opt.slot_keys`` their keys in
@@ -479,11 +482,24 @@ class Optimizer:
         every parameter group of ``grads`` is consumed the whole ``Grads`` is
         released (so two optimizers over disjoint parameters can share one).
         Steps from several threads are serialized on :attr:`lock`.
+
+        State cells the recording assigned eagerly (``Session.assign_state``:
+        BatchNorm's running statistics) were written during the forward; when
+        this step fails (an invalid or non-finite gradient, an exception in the
+        update, Ctrl-C) their old values are put back, so a failed step changes
+        neither the parameters nor the state, as in :func:`~tapeflow.train_step`.
+        Once a step over the recording's gradients succeeded, its writes are final.
         """
         with self.lock:
-            self._step(grads, check_finite)
+            log = state_log_of(grads)
+            try:
+                self._step(grads, check_finite, log)
+            except BaseException:
+                if log is not None:
+                    log.undo()  # nothing once committed: the step's write-back had completed
+                raise
 
-    def _step(self, grads: GradsLike, check_finite: bool | None) -> None:
+    def _step(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
         storages = self.check_layout()
         per_slot, groups = self._collect(grads)
         self._validate(per_slot, self.check_finite if check_finite is None else check_finite)
@@ -492,6 +508,8 @@ class Optimizer:
         if not any(used):
             if isinstance(grads, Grads):
                 grads.consume(mine)
+            if log is not None:
+                log.commit()
             return
         try:
             device = next(_device_of(p[0]) for p in per_slot if p is not None)
@@ -505,10 +523,19 @@ class Optimizer:
         finally:
             if isinstance(grads, Grads):
                 grads.consume(mine)  # lets go of what this step used; of everything once every group is used
-        self.install(new_vals, new_state, used)
+        with deferred_interrupts():  # a Ctrl-C held during the write-back lands after the commit, undoing nothing
+            self.install(new_vals, new_state, used)
+            if log is not None:
+                log.commit()
 
     def install(
-        self, values: Sequence[Array], state: OptState, used: Sequence[bool] | None = None, *, exact: bool = False
+        self,
+        values: Sequence[Array],
+        state: OptState,
+        used: Sequence[bool] | None = None,
+        *,
+        exact: bool = False,
+        state_writes: Iterable[tuple[Storage, Array]] = (),
     ) -> None:
         """Write new slot values (those marked ``used``; default all) and the new state, as one unit.
 
@@ -517,7 +544,9 @@ class Optimizer:
         parameters and the state always belong to the same step. ``exact=True``
         skips the per-value placement and dtype handling of :meth:`Storage.write`
         (for values a compiled step already produced in the cells' shapes, dtypes
-        and devices).
+        and devices). ``state_writes`` are ``(storage, value)`` pairs of state cells
+        (running statistics a compiled step computed) written after the slots, in
+        the same unit; a storage listed there ends with that value.
         """
         storages = self._slot_storages
         if used is None:
@@ -529,6 +558,8 @@ class Optimizer:
                 for st, v, u in zip(storages, values, used):
                     if u:
                         st.write(v, on_device=True)
+            for st, v in state_writes:
+                st.write(v, on_device=True)
             self.state = state
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from . import _treescope
 from ._result import TapeError
 from ._tensor import RemovableHandle, TensorOps
 from ._typing import Array, ArrayLike, DTypeLike
@@ -252,6 +253,9 @@ class Storage:
     def __repr__(self) -> str:
         return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+
 
 def _device_of(x: Array) -> jax.Device | None:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -360,6 +364,9 @@ class Param(TensorOps):
     def __repr__(self) -> str:
         frozen = "" if self.trainable else ", frozen"
         return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_param(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 
 def _param_flatten(p: Param) -> tuple[tuple[Array], tuple[Storage, str | None, bool]]:

@@ -33,17 +33,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from . import _treescope
 from ._backward import Hook, backward_graph, run_hooks
 from ._backward import backward as _tape_backward
 from ._device import default_device, resolve_device
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
 from ._jvp import jvp_keys
 from ._params import COMPLEX_HINT, Param, RationalFallbackWarning, Storage, ValuePolicy
+from ._precision import Precision, cast_operands
 from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
 from ._result import Err, TapeError
+from ._state import StateLog, StateWrites
 from ._tape import Node, Tape, append_op, check_op, leaf
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
-from ._typing import Array, ArrayLike, DeviceLike, NodeId, PRNGKey
+from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
 __all__ = ["RationalFallbackWarning", "Session"]
 
@@ -56,7 +59,7 @@ def _next_owner() -> int:
         return next(_owner_counter)
 
 
-class Session(ValuePolicy, RandomDraws):
+class Session(ValuePolicy, RandomDraws, StateWrites):
     """An eager recording context: one tape, handles, parameters, RNG and a device.
 
     Parameters
@@ -82,6 +85,10 @@ class Session(ValuePolicy, RandomDraws):
         thread that created it; another thread gets a :class:`TapeError` (as
         :mod:`sqlite3` does). False lifts the check: you then serialize every use
         yourself.
+    compute_dtype:
+        Mixed precision (e.g. ``jnp.bfloat16``): parameters keep their dtype and
+        each op's float operands are cast (recorded ``astype`` nodes) to this
+        dtype, losses and reductions to float32; see :mod:`tapeflow._precision`.
 
     Examples
     --------
@@ -105,6 +112,7 @@ class Session(ValuePolicy, RandomDraws):
         param_values: Mapping[Storage, Array] | None = None,
         rng_key: PRNGKey | None = None,
         check_same_thread: bool = True,
+        compute_dtype: DTypeLike | None = None,
     ) -> None:
         self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = resolve_device(device) if device is not None else default_device()
@@ -129,6 +137,8 @@ class Session(ValuePolicy, RandomDraws):
         self._base_key: PRNGKey | None = rng_key
         self._default_device = self.device == default_device()
         self._constants: dict[tuple[Any, ...], Array] = {}
+        self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
+        self._state_log = StateLog()  # assign_state's writes in this recording
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -178,6 +188,9 @@ class Session(ValuePolicy, RandomDraws):
             f"Session(owner={self._owner}, generation={self._generation}, nodes={len(self._tape)}, "
             f"device={self.device}, rng_counter={self._rng_counter}{kind})"
         )
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_session(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- context ---------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -345,6 +358,9 @@ class Session(ValuePolicy, RandomDraws):
                 v = self._constant(o, ref_dtype, opname)
                 plan.append(v)
                 specs.append((tuple(np.shape(v)), np.dtype(v.dtype)))
+        casts = self.precision.targets(opname, specs) if self.precision is not None else None
+        if casts is not None:  # the op is checked with the dtypes it will compute in
+            specs = [(sh, dt if c is None else c) for (sh, dt), c in zip(specs, casts)]
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
@@ -364,6 +380,8 @@ class Session(ValuePolicy, RandomDraws):
             else:
                 t, i = leaf(t, p, requires_grad=False)
                 ids.append(i)
+        if casts is not None:
+            t, ids = cast_operands(t, ids, casts, not self._no_grad)
         all_nodes = t._buf.nodes
         t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids], not self._no_grad)
         if isinstance(r, Err):
@@ -448,6 +466,7 @@ class Session(ValuePolicy, RandomDraws):
             else:
                 by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
             grads = Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
+            self._attach_state_log(grads)
             for group in grads.groups:
                 if group.storage is not None and group.storage.hooks:
                     g = grads.group_gradient(group)
@@ -530,4 +549,5 @@ class Session(ValuePolicy, RandomDraws):
         self._params_by_leaf = {}
         self._storage_by_leaf = {}
         self._hooks = {}
+        self._state_log = StateLog()
         self._generation += 1

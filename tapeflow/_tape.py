@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from . import _treescope
 from ._checks import is_int
 from ._device import resolve_device
 from ._result import Err, Ok
@@ -170,6 +171,9 @@ class Tape:
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"
         return f"Tape(len={self._n}{dev})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_tape(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     def to_dot(self) -> str:
         """Graphviz DOT text for the tape (render with ``dot -Tsvg``).

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from . import _registry as R
+from . import _treescope
 from ._result import TapeError
 from ._typing import Array, DTypeLike, NodeId, Shape
 
@@ -388,6 +389,9 @@ class Tensor(TensorOps):
         op = "leaf" if nd.op is None else nd.op
         grad = ", requires_grad" if nd.requires_grad else ""
         return f"Tensor({spec}, op={op}, id={self.id}, gen={self._generation}{grad})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- operators only handles have --------------------------------------------
     def __pos__(self) -> Tensor:

@@ -889,3 +889,15 @@ def test_public_views_of_the_slots():
         opt.check_layout()
     opt.reinit()
     assert len(opt.check_layout()) == 4 and opt.slot_keys == ["W", "W_tied", "c", "V"]
+
+
+def test_optimizer_over_a_module_gives_slots_to_its_trainable_parameters_only():
+    """BatchNorm's running statistics and frozen Params are state, not optimizer slots."""
+    import jax
+
+    frozen = tfl.Param(jnp.ones(3), trainable=False)
+    model = tfl.nn.Sequential(tfl.nn.Linear(3, 4, key=jax.random.key(0)), tfl.nn.BatchNorm1d(4), lambda h: h * frozen)
+    model.extra = frozen
+    opt = tfl.Optimizer(optax.adam(1e-3), model)
+    trainable = [p.storage for p in model.parameters() if p.trainable]
+    assert list(opt.storages) == trainable and len(trainable) == 4  # Linear weight, bias; BatchNorm weight, bias

@@ -17,6 +17,7 @@ included), and only record ops, so they run eagerly in a
 >>> loss = step(jnp.array([1, 2, 3]))
 """
 
+from ._interop import load_nnx_state, load_state_dict, nnx_state, state_dict
 from ._layers import (
     MLP,
     Conv2d,
@@ -29,16 +30,26 @@ from ._layers import (
     TiedLinear,
 )
 from ._module import Module
+from ._norm import BatchNorm1d, BatchNorm2d
+from ._recurrent import GRUCell, LSTMCell
 
 __all__ = [
     "MLP",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "Conv2d",
     "Dropout",
     "Embedding",
+    "GRUCell",
+    "LSTMCell",
     "LayerNorm",
     "Linear",
     "Module",
     "MultiHeadAttention",
     "Sequential",
     "TiedLinear",
+    "load_nnx_state",
+    "load_state_dict",
+    "nnx_state",
+    "state_dict",
 ]

@@ -184,14 +184,18 @@ class LayerNorm(Module):
 class Dropout(Module):
     """Inverted dropout with probability ``rate`` (see :func:`tfl.dropout`).
 
-    Active in a training session, the identity in an inference session
-    (``grad_enabled=False``) or when called with ``training=False``. The mask
-    comes from the session's seeded RNG.
+    Active in train mode (:meth:`Module.train`, the default) in a training
+    session; the identity in eval mode (:meth:`Module.eval`), in an inference
+    session (``grad_enabled=False``), or when called with ``training=False``
+    (``training=True`` forces it on). The mask comes from the session's seeded RNG.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> drop = tfl.nn.Dropout(0.5)
     >>> with tfl.Session(grad_enabled=False) as s:
     ...     drop(s.input(jnp.ones(4))).value.tolist()
+    [1.0, 1.0, 1.0, 1.0]
+    >>> with tfl.Session() as s:
+    ...     drop.eval()(s.input(jnp.ones(4))).value.tolist()
     [1.0, 1.0, 1.0, 1.0]
     """
 
@@ -201,6 +205,8 @@ class Dropout(Module):
         self.rate = float(rate)
 
     def forward(self, x: Any, training: bool | None = None) -> Tensor:
+        if training is None and not self.training:
+            training = False  # eval mode; in train mode (None) the session decides, as for tfl.dropout
         return F.dropout(x, self.rate, training=training)
 
     def extra_repr(self) -> str:

@@ -15,10 +15,12 @@ registration in :meth:`Module.parameter_records`.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Self
 
+from .. import _treescope
 from .._params import Param, canonical_indices
 from .._registry import fmt_spec
+from .._state import note_mode_read
 
 __all__ = ["Module"]
 
@@ -59,6 +61,45 @@ class Module:
     ...     m(s.input(jnp.ones((1, 2)))).value.tolist()
     [[2.0, 2.0, 2.0]]
     """
+
+    # -- modes -------------------------------------------------------------------
+    @property
+    def training(self) -> bool:
+        """True in train mode (the default), False in eval mode; :meth:`train` / :meth:`eval` set the whole tree.
+
+        A compiled :func:`tfl.train_step` notes which modules' modes its trace read
+        and compiles one program per combination of those modes.
+        """
+        note_mode_read(self)
+        return bool(self.__dict__.get("_training", True))
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["_training"] = bool(mode)
+
+    def train(self, mode: bool = True) -> Self:
+        """Put this module and every sub-module in train mode (``mode=False``: eval mode); returns ``self``.
+
+        The mode decides how mode-dependent layers behave: :class:`~tapeflow.nn.Dropout`
+        draws a mask and :class:`~tapeflow.nn.BatchNorm1d` normalizes with the batch
+        statistics and updates its running statistics only in train mode *and* in a
+        session that records gradients; in eval mode, or in an inference session
+        (``grad_enabled=False``), dropout is the identity and batch norm uses its
+        running statistics. A ``training=`` argument of a layer's call overrides both.
+
+        >>> import tapeflow as tfl
+        >>> net = tfl.nn.Sequential(tfl.nn.Dropout(0.5), tfl.nn.BatchNorm1d(3))
+        >>> [m.training for m in net.eval().modules()], net.train().training
+        ([False, False, False], True)
+        """
+        mode = bool(mode)
+        for m in self.modules():
+            m.training = mode
+        return self
+
+    def eval(self) -> Self:
+        """``train(False)``: eval mode for this module and every sub-module; returns ``self``."""
+        return self.train(False)
 
     # -- forward -----------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -165,3 +206,6 @@ class Module:
 
     def __repr__(self) -> str:
         return "\n".join(self._repr_lines("", {id(self): ""}))
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_module(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])

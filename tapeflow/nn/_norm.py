@@ -1,0 +1,188 @@
+"""Batch normalization with running statistics: :class:`BatchNorm1d` and :class:`BatchNorm2d`.
+
+PyTorch's semantics: in training behaviour a batch is normalized with its own
+mean and biased variance over every axis but the channel axis (axis 1), and
+the running statistics move towards the batch's mean and *unbiased* variance
+with ``momentum``; in eval behaviour the running statistics normalize.
+
+``weight`` and ``bias`` are trainable Params; ``running_mean``, ``running_var``
+and ``num_batches_tracked`` are non-trainable Params (state cells): they are
+listed by ``named_parameters()``, saved and restored by :func:`tfl.save` /
+:func:`tfl.restore`, and written with :meth:`Session.assign_state`, so an
+eager forward updates them at once and :func:`tfl.train_step` updates them
+inside its compiled program (see ``docs/concepts.md``, "Modes and state").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _functions as F
+from .._params import Param
+from .._registry import is_float
+from .._result import TapeError
+from .._tensor import Tensor, session_of
+from ._module import Module
+
+if TYPE_CHECKING:
+    from .._session import Session
+
+__all__ = ["BatchNorm1d", "BatchNorm2d"]
+
+
+class _BatchNorm(Module):
+    """Shared implementation; subclasses set the accepted input ranks."""
+
+    _ranks: tuple[int, ...] = ()
+    _layout = ""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        *,
+        dtype: Any = jnp.float32,
+    ) -> None:
+        name = type(self).__name__
+        if int(num_features) < 1:
+            raise ValueError(f"{name}: num_features must be >= 1, got {num_features}")
+        if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
+            raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps}")
+        if momentum is not None and not 0.0 <= float(momentum) <= 1.0:
+            raise ValueError(f"{name}: momentum must be in [0, 1] or None (cumulative average), got {momentum}")
+        self.num_features = int(num_features)
+        self.eps = float(eps)
+        self.momentum = None if momentum is None else float(momentum)
+        self.affine = bool(affine)
+        self.track_running_stats = bool(track_running_stats)
+        c = (self.num_features,)
+        self.weight: Param | None = Param(jnp.ones(c, dtype), name="weight") if self.affine else None
+        self.bias: Param | None = Param(jnp.zeros(c, dtype), name="bias") if self.affine else None
+        self.running_mean: Param | None = None
+        self.running_var: Param | None = None
+        self.num_batches_tracked: Param | None = None
+        if self.track_running_stats:
+            self.running_mean = Param(jnp.zeros(c, dtype), name="running_mean", trainable=False)
+            self.running_var = Param(jnp.ones(c, dtype), name="running_var", trainable=False)
+            self.num_batches_tracked = Param(jnp.zeros((), jnp.int32), name="num_batches_tracked", trainable=False)
+
+    def _check(self, x: Any) -> tuple[int, ...]:
+        shape = tuple(np.shape(x))
+        name = type(self).__name__
+        if len(shape) not in self._ranks:
+            raise TapeError(f"{name}: expected input of shape {self._layout}, got shape {shape}")
+        if shape[1] != self.num_features:
+            raise TapeError(
+                f"{name}: input has {shape[1]} channels (axis 1 of shape {shape}) but num_features={self.num_features}"
+            )
+        if not is_float(np.dtype(x.dtype)):
+            raise TapeError(f"{name}: input has dtype {x.dtype}, expected a floating dtype; cast it with tfl.astype")
+        return shape
+
+    def forward(self, x: Any, training: bool | None = None) -> Tensor:
+        """Normalize ``x``; ``training`` (default: the module's mode and the session's ``grad_enabled``) forces a behaviour."""
+        shape = self._check(x)
+        s = session_of((x,), type(self).__name__)
+        if training is None:
+            training = self.training and s.grad_enabled
+        axes = (0, *range(2, len(shape)))
+        bshape = (1, self.num_features) + (1,) * (len(shape) - 2)
+        dtype = np.dtype(x.dtype)
+        with s.as_current():  # Params alone (weight.reshape) record on x's session
+            if training or self.running_mean is None or self.running_var is None:
+                n = math.prod(shape[a] for a in axes)
+                if training and n <= 1:
+                    raise TapeError(
+                        f"{type(self).__name__}: expected more than 1 value per channel when training, got input "
+                        f"shape {shape}"
+                    )
+                mean = F.mean(x, axis=axes, keepdims=True)
+                xc = x - mean
+                var = F.mean(xc * xc, axis=axes, keepdims=True)  # biased: what normalizes
+                if training and self.running_mean is not None:
+                    self._update_running_stats(s, mean, var, n)
+            else:
+                mean, var = (
+                    self._running(self.running_mean, bshape, dtype),
+                    self._running(self.running_var, bshape, dtype),
+                )
+                xc = x - mean
+            y = xc * (1.0 / F.sqrt(var + self.eps))
+            if self.weight is not None and self.bias is not None:
+                y = y * F.reshape(self.weight, bshape) + F.reshape(self.bias, bshape)
+        return y
+
+    @staticmethod
+    def _running(p: Param, bshape: tuple[int, ...], dtype: np.dtype) -> Tensor:
+        t = F.reshape(p, bshape)
+        return t if p.dtype == dtype else F.astype(t, dtype)
+
+    def _update_running_stats(self, s: Session, mean: Tensor, var: Tensor, n: int) -> None:
+        """PyTorch's update: ``r <- (1 - f) r + f * batch``, unbiased batch variance, ``f`` = momentum or 1/count."""
+        rm, rv, count = self.running_mean, self.running_var, self.num_batches_tracked
+        assert rm is not None and rv is not None and count is not None
+        with s.no_grad():  # the statistics are not part of any gradient
+            new_count = s.use(count) + 1
+            f: Tensor | float = self.momentum if self.momentum is not None else 1.0 / F.astype(new_count, rm.dtype)
+            m = F.reshape(mean, (self.num_features,))
+            v = F.reshape(var, (self.num_features,)) * (n / (n - 1))
+            if m.dtype != rm.dtype:
+                m, v = F.astype(m, rm.dtype), F.astype(v, rm.dtype)
+            new_mean = s.use(rm) * (1.0 - f) + m * f
+            new_var = s.use(rv) * (1.0 - f) + v * f
+            s.assign_state(rm, new_mean)
+            s.assign_state(rv, new_var)
+            s.assign_state(count, new_count)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalization over ``(N, C)`` or ``(N, C, L)`` input, as ``torch.nn.BatchNorm1d``.
+
+    Train mode in a training session normalizes with the batch statistics and
+    updates ``running_mean`` / ``running_var`` (momentum, unbiased variance) and
+    ``num_batches_tracked``; eval mode (:meth:`Module.eval`) or an inference
+    session normalizes with the running statistics. ``momentum=None`` is a
+    cumulative average; ``track_running_stats=False`` always uses batch statistics.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> bn = tfl.nn.BatchNorm1d(2)
+    >>> with tfl.Session() as s:
+    ...     y = bn(s.input(jnp.array([[1.0, 10.0], [3.0, 30.0]])))
+    ...     [round(v, 3) for v in y.value[:, 0].tolist()]
+    [-1.0, 1.0]
+    >>> [[round(v, 4) for v in p.value.tolist()] for p in (bn.running_mean, bn.running_var)]
+    [[0.2, 2.0], [1.1, 20.9]]
+    >>> int(bn.num_batches_tracked.value)
+    1
+    """
+
+    _ranks = (2, 3)
+    _layout = "(N, C) or (N, C, L)"
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalization over ``(N, C, H, W)`` input, as ``torch.nn.BatchNorm2d`` (see :class:`BatchNorm1d`).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> bn = tfl.nn.BatchNorm2d(3).eval()          # eval mode: the running statistics (0 and 1)
+    >>> with tfl.Session(grad_enabled=False) as s:
+    ...     y = bn(s.input(jnp.full((2, 3, 4, 4), 2.0)))
+    ...     y.shape, round(float(y.value.max()), 4)
+    ((2, 3, 4, 4), 2.0)
+    """
+
+    _ranks = (4,)
+    _layout = "(N, C, H, W)"
