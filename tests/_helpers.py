@@ -51,3 +51,15 @@ def _assert_unchanged(s, before):
     after = _state(s)
     assert after[0] is before[0], "the tape object was replaced by a rejected call"
     assert after[1:] == before[1:]
+
+
+class Switch:
+    """A pure_callback target that raises while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.on:
+            raise RuntimeError("injected failure inside the update")
+        return np.asarray(x)

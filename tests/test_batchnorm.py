@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import Switch
 
 import tapeflow as tfl
 from tapeflow import nn
@@ -253,18 +254,6 @@ def test_save_and_restore_round_trip_the_running_statistics(tmp_path):
 
 
 # --------------------------------------------------------------------------- failed steps
-
-
-class Switch:
-    """A pure_callback target that raises while ``on``."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.on:
-            raise RuntimeError("injected failure inside the update")
-        return np.asarray(x)
 
 
 def failing_sgd(switch: Switch) -> optax.GradientTransformation:

@@ -21,22 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import Switch
 
 import tapeflow as tfl
 
 F32 = np.float32
-
-
-class Switch:
-    """A pure_callback target that raises while ``on``."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.on:
-            raise RuntimeError("injected failure inside the update")
-        return np.asarray(x)
 
 
 def failing_transform(switch: Switch) -> optax.GradientTransformation:
