@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _interop_models import CNN, LM, D, H, L, V
 
 import tapeflow as tfl
 from tapeflow import nn
@@ -17,7 +18,6 @@ from tapeflow import nn
 nnx = pytest.importorskip("flax.nnx")
 
 TOL = 1e-5
-V, D, H, L = 11, 8, 2, 7
 
 
 def _max_diff(a, b) -> float:
@@ -64,20 +64,6 @@ class FlaxCNN(nnx.Module):
         return self.fc(x.transpose(0, 3, 1, 2).reshape(x.shape[0], -1))  # flatten as NCHW, as tapeflow does
 
 
-class CNN(nn.Module):
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.conv1 = nn.Conv2d(3, 8, 3, key=k1, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, key=k2)
-        self.fc = nn.Linear(16 * 2 * 2, 10, key=k3)
-
-    def forward(self, x):
-        x = tfl.max_pool2d(tfl.relu(self.bn(self.conv1(x))), 2)
-        x = tfl.avg_pool2d(tfl.relu(self.conv2(x)), 2)
-        return self.fc(tfl.reshape(x, (x.shape[0], -1)))
-
-
 class FlaxLM(nnx.Module):
     def __init__(self, rngs):
         self.emb = nnx.Embed(V, D, rngs=rngs)
@@ -88,19 +74,6 @@ class FlaxLM(nnx.Module):
         h = self.emb(ids)
         h = self.ln(h + self.attn(h, mask=nnx.make_causal_mask(ids)))
         return self.emb.attend(h)  # tied output projection
-
-
-class LM(nn.Module):
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.emb = nn.Embedding(V, D, key=k1)
-        self.attn = nn.MultiHeadAttention(D, H, key=k2, causal=True)
-        self.ln = nn.LayerNorm(D)
-        self.head = self.emb.tied_output()
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        return self.head(self.ln(h + self.attn(h)))
 
 
 def _randomize(fmodel, seed=5):

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _interop_models import CNN, LM, D, H, L, V
 
 import tapeflow as tfl
 from tapeflow import nn
 
 TOL = 1e-5
-V, D, H, L = 11, 8, 2, 7  # vocabulary, width, heads, sequence length of the language model
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +104,6 @@ def _mlp_pair(torch):
     )
 
 
-class CNN(nn.Module):
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.conv1 = nn.Conv2d(3, 8, 3, key=k1, padding=1, bias=False)  # BatchNorm follows
-        self.bn = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, key=k2)
-        self.fc = nn.Linear(16 * 2 * 2, 10, key=k3)
-
-    def forward(self, x):
-        x = tfl.max_pool2d(tfl.relu(self.bn(self.conv1(x))), 2)
-        x = tfl.avg_pool2d(tfl.relu(self.conv2(x)), 2)
-        return self.fc(tfl.reshape(x, (x.shape[0], -1)))
-
-
 def _cnn_pair(torch):
     tnn = torch.nn
 
@@ -141,19 +127,6 @@ def _cnn_pair(torch):
         for _ in range(3):
             tmodel(torch.from_numpy(rng.standard_normal((4, 3, 12, 12)).astype(np.float32) * 2 + 1))
     return tmodel, CNN(jax.random.key(2)), rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
-
-
-class LM(nn.Module):
-    def __init__(self, key, tied=True):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.emb = nn.Embedding(V, D, key=k1)
-        self.attn = nn.MultiHeadAttention(D, H, key=k2, causal=True)
-        self.ln = nn.LayerNorm(D)
-        self.head = self.emb.tied_output() if tied else nn.Linear(D, V, key=k3, bias=False)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        return self.head(self.ln(h + self.attn(h)))
 
 
 def _lm_pair(torch):
