@@ -30,8 +30,8 @@ import numpy as np
 
 from . import _registry as R
 from ._checks import is_int
-from ._result import Err, Ok, TapeError
-from ._tape import Node, Tape, leaf, record
+from ._result import Err, TapeError
+from ._tape import Node, Tape, leaf, node_id, record
 from ._typing import Array, ArrayLike, AttrValue, NodeId
 
 __all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "run_hooks"]
@@ -97,17 +97,7 @@ def _zeros(nd: Node) -> Array:
 
 def _root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int, Array]:
     """Validate ``root`` (a node id or ``Ok``) and ``seed``; the seed defaults to 1 for a scalar root."""
-    n = tape._n
-    if type(root) is not int:
-        if isinstance(root, Ok):
-            root = root.value
-        elif is_int(root):
-            root = int(root)  # type: ignore[call-overload]
-        else:
-            raise TapeError(f"backward: root must be a node id (int), got {root!r}")
-    assert isinstance(root, int)
-    if not 0 <= root < n:
-        raise TapeError(f"backward: root {root} is out of range for a tape of {n} node(s)")
+    root = node_id(tape, root, "backward", "root")
     rnode = tape._buf.nodes[root]
     if seed is None:
         if rnode.shape != ():

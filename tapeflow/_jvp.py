@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
-from ._checks import is_int
 from ._kernels import KernelCache
-from ._result import Ok, TapeError
-from ._tape import Node, Tape
+from ._result import TapeError
+from ._tape import Node, Tape, node_id
 from ._typing import Array, ArrayLike, Attrs, NodeId
 
 __all__ = ["TangentGroup", "get_jvp", "jvp", "jvp_groups", "jvp_keys"]
@@ -74,19 +73,6 @@ def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool
         fn = jax.jit(body)
         _JVP_CACHE.put(key, fn)
     return functools.partial(fn, **rt) if rt else fn
-
-
-def _node_id(tape: Tape, i: object, what: str) -> int:
-    """Validate a node id (an int or an ``Ok`` holding one) of ``tape``."""
-    if isinstance(i, Ok):
-        i = i.value
-    if not is_int(i):
-        raise TapeError(f"jvp: {what} must be a node id (int), got {i!r:.80}")
-    j: int = int(i)  # type: ignore[call-overload]
-    n = tape._n
-    if not 0 <= j < n:
-        raise TapeError(f"jvp: {what} {j} is out of range for a tape of {n} node(s)")
-    return j
 
 
 def _tangent(t: ArrayLike, spec: R.Spec, what: str) -> Array:
@@ -139,11 +125,11 @@ def jvp(tape: Tape, root: NodeId, tangents: Mapping[NodeId, ArrayLike]) -> Array
     >>> jvp(t, z.value, {x: jnp.ones(2), y: jnp.zeros(2)}).tolist()   # y * dx
     [3.0, 4.0]
     """
-    root = _node_id(tape, root, "root")
+    root = node_id(tape, root, "jvp", "root")
     nodes = tape._buf.nodes
     seeds: dict[int, Array] = {}
     for k, v in tangents.items():
-        i = _node_id(tape, k, "a tangent key")
+        i = node_id(tape, k, "jvp", "a tangent key")
         seeds[i] = _tangent(v, nodes[i].spec, f"node #{i}")
     return _push(nodes, root, seeds)
 
@@ -163,12 +149,12 @@ def jvp_groups(tape: Tape, root: NodeId, groups: Iterable[TangentGroup]) -> Arra
     >>> float(jvp_groups(t, y.value, [((w1, w2), 1.0, "w", None)]))
     4.0
     """
-    root = _node_id(tape, root, "root")
+    root = node_id(tape, root, "jvp", "root")
     nodes = tape._buf.nodes
     seeds: dict[int, Array] = {}
     given: dict[int, str] = {}
     for group, v, what, spec in groups:
-        ids = [_node_id(tape, i, f"a node of {what}") for i in group]
+        ids = [node_id(tape, i, "jvp", f"a node of {what}") for i in group]
         for i in ids:
             if i in given:
                 raise TapeError(

@@ -30,10 +30,10 @@ from . import _registry as R
 from . import _treescope
 from ._checks import is_int
 from ._device import resolve_device
-from ._result import Err, Ok
+from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
 
-__all__ = ["Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "record"]
+__all__ = ["Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "node_id", "record"]
 
 
 class Node:
@@ -282,6 +282,27 @@ def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tap
     dtype = np.dtype(v.dtype)
     node = Node(None, (), (), v, bool(requires_grad) and R.is_float(dtype), tuple(v.shape), dtype)
     return tape._append(node), tape._n
+
+
+def node_id(tape: Tape, i: object, where: str, what: str) -> int:
+    """``i`` (an int or an ``Ok`` holding one) as a node id of ``tape``, else a TapeError naming ``where``/``what``.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.ones(2))
+    >>> node_id(t, Ok(x), "backward", "root")
+    0
+    >>> node_id(t, 3, "backward", "root")
+    Traceback (most recent call last):
+    tapeflow._result.TapeError: backward: root 3 is out of range for a tape of 1 node(s)
+    """
+    if isinstance(i, Ok):
+        i = i.value
+    if not is_int(i):
+        raise TapeError(f"{where}: {what} must be a node id (int), got {i!r:.80}")
+    j = int(i)  # type: ignore[call-overload]
+    if not 0 <= j < tape._n:
+        raise TapeError(f"{where}: {what} {j} is out of range for a tape of {tape._n} node(s)")
+    return j
 
 
 def _operands_note(tape: Tape, inputs: Any) -> str:
