@@ -6,12 +6,16 @@ import doctest
 import importlib
 import importlib.util
 import inspect
+import os
 import pkgutil
 import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
+from types import ModuleType
+from urllib.parse import unquote, urlsplit
 
 import jax
 import pytest
@@ -147,13 +151,134 @@ def test_functions_stub_is_up_to_date() -> None:
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    """One strict build of the site, then its HTML: no reST role left, every cross-reference and internal link resolved."""
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
+    site = tmp_path / "site"
     proc = subprocess.run(
-        [exe, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [exe, "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about MkDocs 2.0
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    warnings = [ln for ln in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", ln) or "Could not find" in ln]
+    assert not warnings, "the docs build warned:\n" + "\n".join(warnings)
+    problems = site_problems(site)
+    assert not problems, f"{len(problems)} problem(s) in the built site:\n" + "\n".join(problems[:50])
+
+
+# reST roles that reached the HTML unconverted: `:func:` then a backtick, or the <code> Markdown made of it
+ROLE_TEXT = re.compile(r":(?:func|meth|class|attr|data|mod|exc|obj):(?:`|<code)")
+# an autorefs reference left as text, [title][identifier]: autorefs leaves those it cannot resolve
+UNRESOLVED_REF = re.compile(r"\[[^\[\]\n]+\]\[[A-Za-z_][\w.]*\]")
+
+
+class _Anchors(HTMLParser):
+    """The ids of a page and the links (href, src) it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"] or "")
+        if tag == "a" and a.get("name"):
+            self.ids.add(a["name"] or "")
+        self.links += [v for k, v in attrs if k in ("href", "src") and v]
+
+
+def site_problems(site: Path) -> list[str]:
+    """Raw role text, unresolved cross-references and broken internal links in a built site."""
+    root = site.resolve()
+    problems: list[str] = []
+    pages: dict[Path, _Anchors] = {}
+    for page in sorted(root.rglob("*.html")):
+        html = page.read_text()
+        rel = page.relative_to(root)
+        problems += [f"{rel}: raw reST role {html[m.start() : m.start() + 40]!r}" for m in ROLE_TEXT.finditer(html)]
+        prose = re.sub(r"<[^>]+>", "", re.sub(r"<pre\b.*?</pre>", "", html, flags=re.S))  # code blocks may index [a][b]
+        problems += [f"{rel}: unresolved cross-reference {m.group(0)!r}" for m in UNRESOLVED_REF.finditer(prose)]
+        if "<autoref" in html:
+            problems.append(f"{rel}: an <autoref> element was left unresolved")
+        pages[page] = parser = _Anchors()
+        parser.feed(html)
+    for page, parser in pages.items():
+        for link in parser.links:
+            url = urlsplit(link)
+            if url.scheme or url.netloc:
+                continue  # external: not checked (the build runs offline)
+            where = f"{page.relative_to(root)}: link {link!r}"
+            if url.path:
+                base = root if url.path.startswith("/") else page.parent
+                target = (base / unquote(url.path).lstrip("/")).resolve()
+            else:
+                target = page
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.is_file():
+                problems.append(f"{where}: no file {target}")
+            elif url.fragment and target.suffix == ".html" and unquote(url.fragment) not in pages[target].ids:
+                problems.append(f"{where}: {target.relative_to(root)} has no id {url.fragment!r}")
+    return problems
+
+
+def test_site_problems_finds_each_kind(tmp_path: Path) -> None:
+    """The checker of the built site reports what it is meant to catch (a site with one of each)."""
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text('<h3 id="tapeflow.leaf">leaf</h3><img src="../img.svg">')
+    (tmp_path / "img.svg").write_text("<svg/>")
+    (tmp_path / "index.html").write_text(
+        '<a href="api/#tapeflow.leaf">ok</a> <a href="https://example.org/x">external</a> <a href="#top" id="top">top</a>'
+        "<pre><code>a[i][j]</code></pre>"
+        "<p>See :func:<code>leaf</code>, [<code>nope</code>][tapeflow.nope], <autoref identifier=x>.</p>"
+        '<a href="api/#tapeflow.gone">anchor</a> <a href="missing/">page</a> <img src="/img.svg">'
+    )
+    found = site_problems(tmp_path)
+    assert len(found) == 5, found
+    for what in ("raw reST role", "unresolved cross-reference", "<autoref>", "no id 'tapeflow.gone'", "no file"):
+        assert any(what in p for p in found), (what, found)
+
+
+def _ext(name: str) -> ModuleType:
+    """Import ``docs/_ext/<name>.py`` from its path."""
+    spec = importlib.util.spec_from_file_location(f"docs_ext_{name}", ROOT / "docs" / "_ext" / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_xrefs_convert_roles() -> None:
+    """reST roles become autorefs links when the site documents the name, plain code otherwise."""
+    xrefs = _ext("xrefs")
+    ids = {"leaf": "tapeflow.leaf", "Tape.empty": "tapeflow.Tape.empty", "tapeflow.tie": "tapeflow.tie"}
+    text = (
+        ":func:`leaf`, :meth:`Tape.empty`, :func:`~tapeflow.tie`, :func:`tfl.tie <tapeflow.tie>`, :func:`jax.jit`\n"
+        "```pycon\n>>> :func:`leaf`\n```"
+    )
+    assert xrefs.convert_roles(text, ids.get) == (
+        "[`leaf`][tapeflow.leaf], [`Tape.empty`][tapeflow.Tape.empty], [`tie`][tapeflow.tie], "
+        "[`tfl.tie`][tapeflow.tie], `jax.jit`\n```pycon\n>>> :func:`leaf`\n```"
+    )
+
+
+def test_figures_match_their_script() -> None:
+    """docs/images: the committed DOT files are what docs/_ext/figures.py builds, and the SVGs their rendering."""
+    figures = _ext("figures")
+    images = ROOT / "docs" / "images"
+    with jax.enable_x64(False):  # the pictures show float32, JAX's default
+        dots = {"tape_fork": figures.fork_dot(), "tied_param": figures.tied_dot()}
+    for name, text in dots.items():
+        assert (images / f"{name}.dot").read_text() == text, (
+            f"docs/images/{name}.dot is stale: run python docs/_ext/figures.py"
+        )
+        assert (images / f"{name}.svg").read_text() == figures.render_svg(text), f"docs/images/{name}.svg is stale"
+    assert "W storage" in dots["tied_param"] and dots["tied_param"].count("cotangents summed") == 2
+    assert (images / "timeline.svg").is_file()
