@@ -1,13 +1,22 @@
-"""Shared timing helpers for the benchmark scripts (best-of-k, GC paused while timing)."""
+"""Shared helpers for the benchmark scripts: best-of-k timing (GC paused), formatting, ``--json`` results."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import gc
+import importlib.metadata
+import json
+import os
+import platform
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 
 def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_gc: bool = True) -> float:
@@ -49,3 +58,172 @@ def fmt(t: float) -> str:
 def verdict(ok: bool) -> str:
     """``ok`` or ``MISSES TARGET``."""
     return "ok" if ok else "MISSES TARGET"
+
+
+# --------------------------------------------------------------------------- JSON results
+#
+# Every script takes ``--json PATH`` and writes one object there (see benchmarks/README.md):
+#
+#   {"schema": 1, "benchmark": "bench_train", "machine": {...}, "date": "2025-01-01T00:00:00+00:00",
+#    "command": ["benchmarks/bench_train.py", "--quick", "--json", "out/train.json"], "quick": true,
+#    "results": [{"section": "train", "model": "MLP 784-256-256-10", "variant": "eager",
+#                 "time_us": 1234.5, "per": "step", "baseline": "pytorch", "ratio": 1.2}, ...]}
+#
+# ``ratio`` is always this record's time over the time of the record named by ``baseline``
+# (same section and model), filled in when the file is written.
+
+SCHEMA = 1
+
+# The training-step comparison (bench_train.py; variants "eager", "train_step", "pytorch",
+# "jax_unjitted"). Another script that times a training step of the same models (a "lazy"
+# variant, say) uses these section and model names, and benchmarks/plot.py draws its bars
+# next to the others.
+TRAIN_SECTION = "train"
+TRAIN_MLP = "MLP 784-256-256-10"
+TRAIN_AE = "tied autoencoder 784-128"
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def add_json_arg(ap: argparse.ArgumentParser) -> None:
+    """The ``--json PATH`` option every benchmark script takes."""
+    ap.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="also write the results to PATH as JSON (machine, versions, date, command, one record per timing)",
+    )
+
+
+def _cpu_model() -> str:
+    """The CPU's name (``platform.processor()`` is empty on Linux: read /proc/cpuinfo there)."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name
+
+
+def _version(module: str) -> str | None:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        mod = sys.modules.get(module)
+        return getattr(mod, "__version__", None)
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and with what the benchmark ran: CPU, OS, Python and library versions, XLA settings.
+
+    ``torch`` and ``flax`` are listed only when the script imported them.
+    """
+    info: dict[str, Any] = {
+        "processor": _cpu_model(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": _version("jaxlib"),
+        "optax": _version("optax"),
+        "numpy": _version("numpy"),
+        "tapeflow": _version("tapeflow"),
+    }
+    for optional in ("torch", "flax"):
+        if optional in sys.modules:
+            info[optional] = getattr(sys.modules[optional], "__version__", None) or _version(optional)
+    info["device"] = str(jax.devices()[0])
+    info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    return info
+
+
+def _command(argv: list[str]) -> list[str]:
+    """``argv`` with the script path made relative to the repository when it lies inside it."""
+    if not argv:
+        return []
+    script = Path(argv[0])
+    if not script.is_file():
+        return list(argv)
+    try:
+        first = script.resolve().relative_to(_REPO).as_posix()
+    except ValueError:
+        first = argv[0]
+    return [first, *argv[1:]]
+
+
+class Results:
+    """The records of one benchmark run, written as JSON by :meth:`write`.
+
+    >>> r = Results("bench_x")
+    >>> r.add("per_op", "add (4,)", "jax_jit", 2e-6, per="op")
+    >>> r.add("per_op", "add (4,)", "record", 3e-6, per="op", baseline="jax_jit")
+    >>> round(r.records()[1]["ratio"], 3)
+    1.5
+    """
+
+    def __init__(self, benchmark: str, *, quick: bool = False, argv: list[str] | None = None) -> None:
+        self.benchmark = benchmark
+        self.quick = quick
+        self.argv = list(sys.argv if argv is None else argv)
+        self._rows: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        section: str,
+        model: str,
+        variant: str,
+        seconds: float | None,
+        *,
+        per: str = "step",
+        baseline: str | None = None,
+        **extra: Any,
+    ) -> None:
+        """One timing: ``seconds`` per ``per`` (stored as ``time_us``), or ``None`` for a count-only record."""
+        row: dict[str, Any] = {
+            "section": section,
+            "model": model,
+            "variant": variant,
+            "time_us": None if seconds is None else round(float(seconds) * 1e6, 4),
+            "per": per,
+            "baseline": baseline,
+            "ratio": None,
+        }
+        for key, value in extra.items():
+            row[key] = float(value) if isinstance(value, np.floating) else value
+        self._rows.append(row)
+
+    def records(self) -> list[dict[str, Any]]:
+        """The records with ``ratio`` = time / the baseline record's time (same section and model)."""
+        times = {(r["section"], r["model"], r["variant"]): r["time_us"] for r in self._rows}
+        out = []
+        for r in self._rows:
+            r = dict(r)
+            base = times.get((r["section"], r["model"], r["baseline"]))
+            if r["baseline"] is not None and base and r["time_us"] is not None:
+                r["ratio"] = round(r["time_us"] / base, 4)
+            out.append(r)
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "benchmark": self.benchmark,
+            "machine": machine_info(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": _command(self.argv),
+            "quick": self.quick,
+            "results": self.records(),
+        }
+
+    def write(self, path: str | os.PathLike[str] | None) -> None:
+        """Write the JSON object to ``path`` (its folder is created); nothing when ``path`` is None."""
+        if path is None:
+            return
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        print(f"\nresults written to {p}")

@@ -34,6 +34,7 @@ Usage::
     python benchmarks/bench_core.py --quick    # a few seconds
     python benchmarks/bench_core.py --profile  # also cProfile `record` on add (4,)
     python benchmarks/bench_core.py --single-thread  # one XLA CPU thread on both sides
+    python benchmarks/bench_core.py --json out/core.json  # also write the results as JSON
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ if "--single-thread" in sys.argv:
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import fmt, min_of_k, verdict
+from _timing import Results, add_json_arg, fmt, min_of_k, verdict
 
 import tapeflow as tfl
 
@@ -374,7 +375,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short run (a few seconds)")
     ap.add_argument("--profile", action="store_true", help="cProfile record() on add (4,)")
     ap.add_argument("--single-thread", action="store_true", help="one XLA CPU thread (set before jax loads)")
+    add_json_arg(ap)
     args = ap.parse_args()
+    res = Results("bench_core", quick=args.quick)
     n_op, k, n_mlp, n_app = (300, 3, 5, 20_000) if args.quick else (3000, 5, 30, 100_000)
 
     print(f"tapeflow core benchmark  (jax {jax.__version__}, device {jax.devices()[0]}, best of {k})")
@@ -386,9 +389,15 @@ def main() -> None:
         ratio = tt / tj
         worst = max(worst, ratio)
         print(f"   {label:<26}{fmt(tj):>12}{fmt(tt):>12}{ratio:>8.2f}x   {verdict(ratio <= PER_OP_TARGET)}")
+        res.add("per_op", label, "jax_jit", tj, per="op")
+        res.add("per_op", label, "record", tt, per="op", baseline="jax_jit", target=f"<= {PER_OP_TARGET}x jax_jit")
     print()
 
     tt, tp, tj, err, loss_name = bench_mlp(n_mlp, k)
+    mlp = f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}"
+    res.add("mlp_fwd_bwd", mlp, "jax_unjitted", tp)
+    res.add("mlp_fwd_bwd", mlp, "jax_jit", tj, baseline="jax_unjitted")
+    res.add("mlp_fwd_bwd", mlp, "tape", tt, baseline="jax_unjitted", target=f"<= {1 / MLP_TARGET:g}x jax_unjitted")
     print(f"2. MLP 784-256-256-10, batch {BATCH}, relu, {loss_name}: forward + backward ({n_mlp} steps/repeat)")
     print(f"   tape (record + backward)           {fmt(tt)} / step")
     print(f"   jax.value_and_grad (unjitted)      {fmt(tp)} / step")
@@ -406,6 +415,8 @@ def main() -> None:
     rows = bench_appends(n_app)
     for done, cum, win in rows:
         print(f"   {done:>9}{fmt(cum):>20}{fmt(win):>21}")
+        res.add("appends", f"{done} appends", "cumulative", cum, per="append")
+        res.add("appends", f"{done} appends", "window", win, per="append")
     growth = rows[-1][2] / rows[0][2]
     print(f"   last window / first window per-append time: {growth:.2f}x   (linear growth: about 1x)")
 
@@ -416,6 +427,8 @@ def main() -> None:
     for label, tb, tl in bench_lift(n_op, k):
         ratio = tl / tb
         print(f"   {label:<26}{fmt(tb):>12}{fmt(tl):>12}{ratio:>8.2f}x   {verdict(ratio <= LIFT_TARGET)}")
+        res.add("lift", label, "builtin", tb, per="call")
+        res.add("lift", label, "lifted", tl, per="call", baseline="builtin", target=f"<= {LIFT_TARGET}x builtin")
 
     print()
     n_hvp = 3 if args.quick else 10
@@ -430,11 +443,17 @@ def main() -> None:
         f"   forward-over-reverse vs unjitted: {t_fr / t_jax:.2f}x, vs jitted: {t_fr / t_jit:.2f}x;  "
         f"reverse-over-reverse vs unjitted: {t_rr / t_jax:.2f}x, vs jitted: {t_rr / t_jit:.2f}x"
     )
+    hvp = f"MLP {'-'.join(map(str, SIZES))} (tanh), batch {BATCH}"
+    res.add("hvp", hvp, "jax_unjitted", t_jax, per="hvp")
+    res.add("hvp", hvp, "jax_jit", t_jit, per="hvp", baseline="jax_unjitted")
+    res.add("hvp", hvp, "tape_fwd_over_rev", t_fr, per="hvp", baseline="jax_unjitted")
+    res.add("hvp", hvp, "tape_rev_over_rev", t_rr, per="hvp", baseline="jax_unjitted")
 
     if args.profile or worst > PER_OP_TARGET:
         print()
         print("cProfile of record(t, 'add', (x, x)) on (4,), sorted by own time:")
         print(profile_record(n_op * 5))
+    res.write(args.json)
 
 
 if __name__ == "__main__":

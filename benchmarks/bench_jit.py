@@ -35,6 +35,7 @@ Usage::
 
     python benchmarks/bench_jit.py           # full
     python benchmarks/bench_jit.py --quick   # a few seconds
+    python benchmarks/bench_jit.py --json out/jit.json   # also write the results as JSON
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import min_of_k
+from _timing import Results, add_json_arg, min_of_k
 
 import tapeflow as tfl
 
@@ -126,7 +127,17 @@ def batch(sizes: tuple[int, ...], n: int, seed: int = 0) -> tuple[Any, Any]:
 
 
 def compare(
-    label: str, sizes: tuple[int, ...], bsz: int, n: int, k: int, warmup: int, donate: bool = False
+    label: str,
+    sizes: tuple[int, ...],
+    bsz: int,
+    n: int,
+    k: int,
+    warmup: int,
+    donate: bool = False,
+    *,
+    res: Results,
+    section: str,
+    model: str,
 ) -> tuple[float, float]:
     """``train_step(donate=donate)`` against the hand-written step with the same donation."""
     n_layers = len(sizes) - 1
@@ -151,20 +162,32 @@ def compare(
         f"ratio {ratio:5.3f} (target <= {TARGET}) {ok}   [|loss diff| {abs(float(a) - float(b)):.1e}, max |param diff| {diff:.1e}; "
         f"traces {step.trace_count}]"
     )
+    res.add(section, model, "hand_jit", t_hand, per="call")
+    res.add(section, model, "train_step", t_tfl, per="call", baseline="hand_jit", target=f"<= {TARGET}x hand_jit")
     return t_tfl, t_hand
 
 
-def depth_sweep(depths: tuple[int, ...], width: int, bsz: int, n: int, k: int, warmup: int) -> None:
+def depth_sweep(depths: tuple[int, ...], width: int, bsz: int, n: int, k: int, warmup: int, res: Results) -> None:
     print(f"\nper-call overhead of train_step over the hand-written step, {width}-wide MLPs, batch {bsz}:")
     for depth in depths:
         sizes = (width,) * (depth + 1)
-        t_tfl, t_hand = compare(f"  {depth:>2} layers ({2 * depth:>2} params)", sizes, bsz, n, k, warmup)
+        t_tfl, t_hand = compare(
+            f"  {depth:>2} layers ({2 * depth:>2} params)",
+            sizes,
+            bsz,
+            n,
+            k,
+            warmup,
+            res=res,
+            section="jit_depth",
+            model=f"{depth} x {width}-wide, batch {bsz}",
+        )
         print(
             f"  {'':<32} overhead {(t_tfl - t_hand) * 1e6:+8.1f} us/call ({(t_tfl - t_hand) / (2 * depth) * 1e9:+8.1f} ns per param)"
         )
 
 
-def python_calls_per_step(depths: tuple[int, ...], width: int, bsz: int) -> None:
+def python_calls_per_step(depths: tuple[int, ...], width: int, bsz: int, res: Results) -> None:
     """Python-level function calls made by one warm step (deterministic, unlike times)."""
     import sys
 
@@ -194,9 +217,12 @@ def python_calls_per_step(depths: tuple[int, ...], width: int, bsz: int) -> None
         print(
             f"  {depth:>2} layers ({2 * depth:>2} params): train_step {counts[0]:3d}   hand-written jit {counts[1]:3d}"
         )
+        model = f"{depth} x {width}-wide, batch {bsz}"
+        res.add("jit_python_calls", model, "hand_jit", None, per="call", python_calls=counts[1])
+        res.add("jit_python_calls", model, "train_step", None, per="call", python_calls=counts[0])
 
 
-def wrapper_cost(depths: tuple[int, ...], width: int, bsz: int) -> None:
+def wrapper_cost(depths: tuple[int, ...], width: int, bsz: int, res: Results) -> None:
     """The Python around the XLA call alone: the compiled program is replaced by its saved outputs."""
     import timeit
 
@@ -220,9 +246,10 @@ def wrapper_cost(depths: tuple[int, ...], width: int, bsz: int) -> None:
         step._compiled = lambda *a, **k: saved[0]
         t = min(timeit.repeat(lambda: step(x, y), number=2000, repeat=5)) / 2000
         print(f"  {depth:>2} layers ({2 * depth:>2} params): {t * 1e6:6.1f} us/call")
+        res.add("jit_wrapper", f"{depth} x {width}-wide, batch {bsz}", "train_step_wrapper", t, per="call")
 
 
-def drift(width: int, depth: int, bsz: int, windows: int, n: int) -> None:
+def drift(width: int, depth: int, bsz: int, windows: int, n: int, res: Results) -> None:
     sizes = (width,) * (depth + 1)
     init = init_mlp(sizes)
     x, y = batch(sizes, bsz)
@@ -237,9 +264,14 @@ def drift(width: int, depth: int, bsz: int, windows: int, n: int) -> None:
     print(
         f"  last/first window: {times[-1] / times[0]:.3f} (flat: ~1.0; total steps {step.step_count}, traces {step.trace_count})"
     )
+    for i, t in enumerate(times):
+        baseline = None if i == 0 else "window 1"
+        res.add(
+            "jit_drift", f"{depth} x {width}-wide, batch {bsz}", f"window {i + 1}", t, per="call", baseline=baseline
+        )
 
 
-def bench_nnx(n: int, k: int, warmup: int, t_tfl: float) -> None:
+def bench_nnx(n: int, k: int, warmup: int, t_tfl: float, res: Results, label: str) -> None:
     try:
         from flax import nnx
     except Exception:
@@ -249,7 +281,9 @@ def bench_nnx(n: int, k: int, warmup: int, t_tfl: float) -> None:
 
     class MLP(nnx.Module):
         def __init__(self, rngs: Any) -> None:
-            self.layers = [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
+            layers = [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
+            # flax >= 0.12 wants a list of modules marked as data (nnx.List); older flax takes a list
+            self.layers = nnx.List(layers) if hasattr(nnx, "List") else layers
 
         def __call__(self, x: Any) -> Any:
             for i, layer in enumerate(self.layers):
@@ -273,12 +307,16 @@ def bench_nnx(n: int, k: int, warmup: int, t_tfl: float) -> None:
     x, y = batch(sizes, 64)
     t = min_of_k(lambda: train(model, optimizer, x, y), n, k, warmup)
     print(f"\nnnx.jit 784-256-256-10 batch 64: {t * 1e6:9.1f} us/call; train_step / nnx.jit = {t_tfl / t:5.3f}")
+    res.add("jit", label, "nnx_jit", t, per="call", baseline="hand_jit")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a few seconds)")
+    add_json_arg(ap)
     args = ap.parse_args()
+    res = Results("bench_jit", quick=args.quick)
+    big, small = "MLP 784-256-256-10, batch 64", "MLP 32 x 16-wide, batch 16"
     if args.quick:
         n_big, n_small, k, warmup, depths, windows = 20, 200, 3, 5, (2, 8, 32), 3
     else:
@@ -287,20 +325,23 @@ def main() -> None:
         f"jax {jax.__version__} on {jax.devices()[0].platform}; loss: {'cross_entropy' if HAS_CE else 'mse (cross_entropy not registered)'}"
     )
     print("train_step (default: no donation) vs a hand-written jax.jit + optax.adam step without donation:\n")
-    t_big, hand_big = compare("MLP 784-256-256-10, batch 64", (784, 256, 256, 10), 64, n_big, k, warmup)
-    _, hand_small = compare("MLP 32 x 16-wide, batch 16", (16,) * 33, 16, n_small, k, warmup)
+    kw: dict[str, Any] = {"res": res, "section": "jit"}
+    t_big, hand_big = compare(big, (784, 256, 256, 10), 64, n_big, k, warmup, model=big, **kw)
+    _, hand_small = compare(small, (16,) * 33, 16, n_small, k, warmup, model=small, **kw)
     print("\ntrain_step(donate=True) vs the hand-written step donating its parameter and state buffers:\n")
-    _, hand_big_d = compare("MLP 784-256-256-10, batch 64", (784, 256, 256, 10), 64, n_big, k, warmup, True)
-    _, hand_small_d = compare("MLP 32 x 16-wide, batch 16", (16,) * 33, 16, n_small, k, warmup, True)
+    kw["section"] = "jit_donate"
+    _, hand_big_d = compare(big, (784, 256, 256, 10), 64, n_big, k, warmup, True, model=big, **kw)
+    _, hand_small_d = compare(small, (16,) * 33, 16, n_small, k, warmup, True, model=small, **kw)
     print(
         "\ncost of not donating (the default keeps the old buffers until the write-back), hand-written steps: "
         f"784-256-256-10 {hand_big / hand_big_d:.3f}x, 32 x 16-wide {hand_small / hand_small_d:.3f}x"
     )
-    depth_sweep(depths, 16, 16, n_small, k, warmup)
-    python_calls_per_step(depths, 16, 16)
-    wrapper_cost(depths, 16, 16)
-    drift(16, 32, 16, windows, n_small)
-    bench_nnx(n_big, k, warmup, t_big)
+    depth_sweep(depths, 16, 16, n_small, k, warmup, res)
+    python_calls_per_step(depths, 16, 16, res)
+    wrapper_cost(depths, 16, 16, res)
+    drift(16, 32, 16, windows, n_small, res)
+    bench_nnx(n_big, k, warmup, t_big, res, big)
+    res.write(args.json)
 
 
 if __name__ == "__main__":

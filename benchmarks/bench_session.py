@@ -1,4 +1,4 @@
-"""Session overhead benchmarks: an eager MLP training step and storage canonicalization.
+"""Session overhead benchmarks: an eager MLP training step, per-op cost, storage canonicalization.
 
 1. A 3-layer MLP (784-256-256-10, batch 64, relu, cross-entropy; mean squared
    error to one-hot targets if ``cross_entropy`` is not registered) run eagerly
@@ -10,7 +10,14 @@
    * unjitted ``jax.value_and_grad`` of the equivalent pure function, target:
      tapeflow is at least 10x faster.
 
-2. :func:`tapeflow.canonical_indices` on 1,000,000 storages (half of them
+2. Per-op cost of an op on a ``Session`` (``tfl.add`` on (4,), ``tfl.matmul``
+   (64, 256) @ (256, 256), ``tfl.relu`` on (64, 256): the cases of
+   ``bench_core.py``'s per-op table), against the op's registered forward as a
+   plain ``jax.jit`` call whose outputs are kept in a list. No target: the
+   difference is the session's Python bookkeeping per recorded op (the pure
+   core's ``record`` is in ``bench_core.py``).
+
+3. :func:`tapeflow.canonical_indices` on 1,000,000 storages (half of them
    duplicates made with :func:`tapeflow.tie`) against a plain dict keyed by
    ``id()`` over the same list, target: at most 3x.
 
@@ -21,6 +28,7 @@ Usage::
 
     python benchmarks/bench_session.py           # full
     python benchmarks/bench_session.py --quick   # a few seconds
+    python benchmarks/bench_session.py --json out/session.json   # also write the results as JSON
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ if "--multithread" not in sys.argv:
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import fmt, min_of_k, verdict
+from _timing import Results, add_json_arg, fmt, min_of_k, verdict
 
 import tapeflow as tfl
 
@@ -67,7 +75,9 @@ def use_cross_entropy() -> bool:
     return "cross_entropy" in tfl.REGISTRY
 
 
-def tapeflow_step_fn(data: dict[str, np.ndarray]) -> tuple[Callable[[], Any], Callable[[], float]]:
+def tapeflow_step_fn(
+    data: dict[str, np.ndarray],
+) -> tuple[Callable[[], Any], Callable[[], float], Callable[[], int]]:
     params = {k: tfl.Param(jnp.asarray(v), name=k) for k, v in data.items() if k[0] in "wb"}
     x_dev = jax.device_put(data["x"])
     target = jax.device_put(data["labels"] if use_cross_entropy() else data["onehot"])
@@ -97,7 +107,15 @@ def tapeflow_step_fn(data: dict[str, np.ndarray]) -> tuple[Callable[[], Any], Ca
         step()
         return last[0]
 
-    return step, loss_value
+    def ops_per_step() -> int:
+        """Op nodes (not leaves) one forward + backward records on the session's tape."""
+        loss = forward()
+        s.backward(loss)
+        n = sum(1 for node in s.tape if node.op is not None)
+        s.reset()
+        return n
+
+    return step, loss_value, ops_per_step
 
 
 def jax_pure_loss(p: dict[str, Any], x: Any, target: Any) -> Any:
@@ -150,7 +168,7 @@ def torch_step_fn(data: dict[str, np.ndarray]) -> tuple[Callable[[], Any], Calla
     return step, lambda: float(step().detach())
 
 
-def bench_mlp(quick: bool) -> None:
+def bench_mlp(quick: bool, res: Results) -> None:
     n, k, warm = (20, 3, 5) if quick else (100, 7, 20)
     n_slow, k_slow = (3, 2) if quick else (10, 5)
     data = make_data()
@@ -158,7 +176,7 @@ def bench_mlp(quick: bool) -> None:
     print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, relu, {loss_kind}; forward + backward (+ reset)")
     print(f"  jax {jax.__version__} on {jax.devices()[0]}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
 
-    tf_step, tf_loss = tapeflow_step_fn(data)
+    tf_step, tf_loss, tf_ops = tapeflow_step_fn(data)
     jx_step, jx_loss = jax_unjitted_step_fn(data)
     l_tf, l_jx = tf_loss(), jx_loss()
     if not np.isclose(l_tf, l_jx, rtol=1e-4, atol=1e-5):
@@ -180,11 +198,62 @@ def bench_mlp(quick: bool) -> None:
         t_pt = min_of_k(pt_step, n, k, warm)
         print(f"  PyTorch eager (1 thread)            {fmt(t_pt)} / step")
     print()
+    model = f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}"
+    n_ops = tf_ops()
+    base = "pytorch" if t_pt is not None else None
+    res.add("session_mlp", model, "eager", t_tf, baseline=base, target="<= 2x pytorch", ops_per_step=n_ops)
+    res.add("session_mlp", model, "jax_unjitted", t_jx, baseline="eager", target=">= 10x eager")
+    if t_pt is not None:
+        res.add("session_mlp", model, "pytorch", t_pt)
     if t_pt is not None:
         r = t_tf / t_pt
         print(f"  tapeflow / PyTorch eager            {r:8.2f}x   (target <= 2x: {verdict(r <= 2.0)})")
     r = t_jx / t_tf
     print(f"  unjitted value_and_grad / tapeflow  {r:8.2f}x   (target >= 10x faster: {verdict(r >= 10.0)})")
+
+
+# --------------------------------------------------------------------------- per-op cost on a Session
+
+
+PER_OP_CASES: list[tuple[str, str, list[tuple[int, ...]]]] = [
+    ("add (4,)", "add", [(4,), (4,)]),
+    ("matmul 64x256 @ 256x256", "matmul", [(64, 256), (256, 256)]),
+    ("relu (64, 256)", "relu", [(64, 256)]),
+]
+
+
+def bench_per_op(quick: bool, res: Results) -> None:
+    n, k = (300, 3) if quick else (3000, 5)
+    rs = np.random.default_rng(0)
+    print(f"per-op cost of an op on a Session vs a plain jax.jit call ({n} calls/repeat, best of {k})")
+    print(f"  {'op':<26}{'jax.jit':>12}{'Session':>12}{'ratio':>9}{'overhead':>12}")
+    for label, op, shapes in PER_OP_CASES:
+        vals = [jnp.asarray(rs.standard_normal(sh), jnp.float32) for sh in shapes]
+        fn = jax.jit(tfl.REGISTRY[op].fwd)  # the same XLA kernel as the session's
+        f = getattr(tfl, op)
+
+        def run_jit() -> None:
+            out = []
+            for _ in range(n):
+                out.append(fn(*vals))
+            out[-1].block_until_ready()
+
+        def run_session() -> None:
+            with tfl.Session() as s:
+                xs = [s.input(v, requires_grad=True) for v in vals]
+                for _ in range(n):
+                    y = f(*xs)
+                y.value.block_until_ready()
+
+        run_jit()
+        run_session()
+        tj = ts = float("inf")
+        for _ in range(k):  # interleaved, to share the noise
+            tj = min(tj, min_of_k(run_jit, 1, 1, warmup=0) / n)
+            ts = min(ts, min_of_k(run_session, 1, 1, warmup=0) / n)
+        print(f"  {label:<26}{fmt(tj):>12}{fmt(ts):>12}{ts / tj:>8.2f}x{fmt(ts - tj):>12}")
+        res.add("session_per_op", label, "jax_jit", tj, per="op")
+        res.add("session_per_op", label, "session", ts, per="op", baseline="jax_jit")
 
 
 # --------------------------------------------------------------------------- canonical_indices
@@ -196,7 +265,7 @@ def dict_by_id(storages: list[Any]) -> list[int]:
     return [first.setdefault(id(s), i) for i, s in enumerate(storages)]
 
 
-def bench_canonical(quick: bool) -> None:
+def bench_canonical(quick: bool, res: Results) -> None:
     n = 1_000_000
     k = 3 if quick else 7
     shared = jnp.zeros((), jnp.float32)  # one small array: creating the storages stays cheap
@@ -217,20 +286,30 @@ def bench_canonical(quick: bool) -> None:
     print(f"  tfl.canonical_indices               {fmt(t_ci)}")
     print(f"  dict keyed by id()                  {fmt(t_d)}")
     print(f"  ratio                               {r:8.2f}x   (target <= 3x: {verdict(r <= 3.0)})")
+    model = f"{n:,} storages, {n // 2:,} distinct"
+    res.add("canonical", model, "dict_by_id", t_d, per="call")
+    res.add("canonical", model, "canonical_indices", t_ci, per="call", baseline="dict_by_id", target="<= 3x dict_by_id")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats (a few seconds)")
     ap.add_argument("--multithread", action="store_true", help="leave XLA's CPU thread pool at its default")
-    ap.add_argument("--only", choices=("mlp", "canonical"), help="run one of the two benchmarks")
+    ap.add_argument("--only", choices=("mlp", "per_op", "canonical"), help="run one of the three benchmarks")
+    add_json_arg(ap)
     args = ap.parse_args(argv)
+    res = Results("bench_session", quick=args.quick, argv=None if argv is None else [sys.argv[0], *argv])
     if args.only in (None, "mlp"):
-        bench_mlp(args.quick)
+        bench_mlp(args.quick, res)
+    if args.only is None:
+        print()
+    if args.only in (None, "per_op"):
+        bench_per_op(args.quick, res)
     if args.only is None:
         print()
     if args.only in (None, "canonical"):
-        bench_canonical(args.quick)
+        bench_canonical(args.quick, res)
+    res.write(args.json)
 
 
 if __name__ == "__main__":

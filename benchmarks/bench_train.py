@@ -15,7 +15,9 @@ compared with
 
 * PyTorch eager + ``torch.optim.Adam`` (``torch.set_num_threads(1)``; skipped
   with a message when torch is not importable). Target: tapeflow <= 1.5x per step.
-* unjitted ``jax.value_and_grad`` + unjitted ``optax`` update (op-by-op JAX).
+* unjitted ``jax.value_and_grad`` + unjitted ``optax`` update (op-by-op JAX);
+* the same loss code compiled by ``tfl.train_step`` (forward, backward and the
+  optax update as one XLA program): what the eager step costs over the compiled one.
 
 It also times ``opt.step`` alone against the whole step: the optax update is
 one compiled call per step and should be a small part of it.
@@ -28,6 +30,7 @@ Usage::
 
     python benchmarks/bench_train.py           # full
     python benchmarks/bench_train.py --quick   # well under a minute, mostly compilation
+    python benchmarks/bench_train.py --json out/train.json   # also write the results as JSON
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import min_of_k
+from _timing import TRAIN_AE, TRAIN_MLP, TRAIN_SECTION, Results, add_json_arg, min_of_k
 
 import tapeflow as tfl
 
@@ -104,15 +107,21 @@ class TflMLP:
         self.onehot = jax.nn.one_hot(self.y, MLP[-1], dtype=jnp.float32)
         self.t_opt = 0.0
 
+    def target(self) -> Any:
+        """What the loss compares against: the labels (cross-entropy) or one-hot rows (mse)."""
+        return self.y if HAS_CE else self.onehot
+
     def loss(self) -> Any:
-        s = self.s
+        return self.loss_fn(self.s, self.x, self.target())
+
+    def loss_fn(self, s: tfl.Session, x: Any, target: Any) -> Any:
         W1, b1, W2, b2, W3, b3 = self.params
-        h = tfl.relu(tfl.linear(s.input(self.x), W1, b1))
+        h = tfl.relu(tfl.linear(s.input(x), W1, b1))
         h = tfl.relu(tfl.linear(h, W2, b2))
         logits = tfl.linear(h, W3, b3)
         if HAS_CE:
-            return tfl.cross_entropy(logits, s.input(self.y))
-        return tfl.mse(logits, s.input(self.onehot))
+            return tfl.cross_entropy(logits, s.input(target))
+        return tfl.mse(logits, s.input(target))
 
     def step(self) -> None:
         with self.s:
@@ -135,13 +144,26 @@ class TflAE(TflMLP):
         self.x = jnp.asarray(x)
         self.t_opt = 0.0
 
-    def loss(self) -> Any:
-        s = self.s
+    def target(self) -> Any:
+        return self.x
+
+    def loss_fn(self, s: tfl.Session, x: Any, target: Any) -> Any:
         W, b, c = self.params
-        x = s.input(self.x)
+        x = s.input(x)
         h = tfl.tanh(tfl.linear(x, W, b))
         x_hat = h @ self.W_dec.T + c
         return tfl.mse(x_hat, x)
+
+
+# --------------------------------------------------------------------------- tapeflow, compiled
+
+
+def compiled_step(cls: type[TflMLP], ws: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> Callable[[], Any]:
+    """The model's loss code (fresh parameters) compiled by ``tfl.train_step``: one call per step."""
+    model = cls(ws, x, y)
+    step = tfl.train_step(model.loss_fn, model.opt)
+    xb, target = model.x, model.target()
+    return lambda: step(xb, target)
 
 
 # --------------------------------------------------------------------------- plain JAX (unjitted)
@@ -227,7 +249,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     ap.add_argument("--multithread", action="store_true", help="let XLA use its multi-threaded CPU kernels")
+    add_json_arg(ap)
     args = ap.parse_args()
+    res = Results("bench_train", quick=args.quick)
     n, k, warm = (10, 3, 3) if args.quick else (50, 5, 10)
     n_jax = max(2, n // 5)
 
@@ -254,10 +278,12 @@ def main() -> None:
             mw,
             jax_mlp_loss,
             0,
+            TRAIN_MLP,
         ),
-        ("(b) tied autoencoder 784-128, W_dec = tie(W)", TflAE, aw, jax_ae_loss, 1),
+        ("(b) tied autoencoder 784-128, W_dec = tie(W)", TflAE, aw, jax_ae_loss, 1, TRAIN_AE),
     ]
-    for title, cls, ws, jloss, ti in cases:
+    baseline = "pytorch" if torch is not None else None
+    for title, cls, ws, jloss, ti, name in cases:
         print(f"\n{title}")
         model = cls(ws, x, y)
         t_tfl = min_of_k(model.step, n, k, warm)
@@ -274,6 +300,9 @@ def main() -> None:
         print(
             f"    of which opt.step          {best_opt * 1e3:8.3f} ms  ({best_opt / best_all:.0%} of {best_all * 1e3:.3f} ms)"
         )
+        res.add(TRAIN_SECTION, name, "eager", t_tfl, baseline=baseline, target=f"<= {TARGET_VS_TORCH}x pytorch")
+        res.add("train_opt_step", name, "eager", best_all)
+        res.add("train_opt_step", name, "opt_step", best_opt, baseline="eager")
         if torch is not None:
             t_torch = min_of_k(torch[ti], n, k, warm)
             r = t_tfl / t_torch
@@ -282,9 +311,15 @@ def main() -> None:
                 f"  PyTorch eager + Adam         {t_torch * 1e3:8.3f} ms   tapeflow/torch = {r:5.2f}x "
                 f"(target <= {TARGET_VS_TORCH}x: {verdict})"
             )
+            res.add(TRAIN_SECTION, name, "pytorch", t_torch)
         je = JaxEager(jloss, ws, x, y)
         t_jax = min_of_k(je.step, n_jax, k, 2)
         print(f"  jax.value_and_grad + optax   {t_jax * 1e3:8.3f} ms   unjitted-jax/tapeflow = {t_jax / t_tfl:5.1f}x")
+        res.add(TRAIN_SECTION, name, "jax_unjitted", t_jax, baseline=baseline)
+        t_jit = min_of_k(compiled_step(cls, ws, x, y), n, k, warm)
+        print(f"  tfl.train_step (compiled)    {t_jit * 1e3:8.3f} ms   eager/train_step = {t_tfl / t_jit:5.1f}x")
+        res.add(TRAIN_SECTION, name, "train_step", t_jit, baseline=baseline)
+    res.write(args.json)
 
 
 if __name__ == "__main__":

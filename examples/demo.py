@@ -7,8 +7,13 @@ that updates ``W`` once per step.
 
 Runs offline on scikit-learn's bundled digits (1,797 8x8 images):
 
-    python examples/demo.py               # CPU
-    python examples/demo.py --device gpu  # on a GPU, when JAX has one
+    python examples/demo.py                       # CPU
+    python examples/demo.py --device gpu          # on a GPU, when JAX has one
+    python examples/demo.py --plot curves.png     # also plot the loss and accuracy curves (matplotlib)
+    python examples/demo.py --lazy                # the same loop in a lazy session: one program per step
+
+At the end it times one training step three ways on the same model: the eager
+loop, the same loop in a lazy session, and one compiled ``tfl.train_step`` call.
 """
 
 from __future__ import annotations
@@ -85,6 +90,91 @@ def accuracy(
     return float((pred == y).mean())
 
 
+def train(
+    model: TiedAutoencoderClassifier,
+    opt: tfl.Optimizer,
+    session: tfl.Session,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    batch: int,
+    rng: np.random.Generator,
+    eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+    quiet: bool = False,
+    device: Any = None,
+    compute_dtype: Any = None,
+) -> dict[str, list[float]]:
+    """The eager training loop. Returns the history: the loss of every step, and per epoch
+    the mean loss and (with ``eval_data``) the test accuracy."""
+    from tqdm.auto import tqdm
+
+    history: dict[str, list[float]] = {"step_loss": [], "epoch_loss": [], "epoch_accuracy": []}
+    per_epoch = len(x) // batch
+    bar = tqdm(total=epochs * per_epoch, disable=quiet, desc="training (eager)", unit="step")
+    for _ in range(epochs):
+        for b in batches(len(x), batch, rng):
+            with session as s:  # the block resets the session on exit
+                loss = model.loss(s, x[b], y[b])
+                opt.step(s.backward(loss))  # tied W: both uses summed, one update
+                history["step_loss"].append(float(loss))
+                bar.set_postfix(loss=f"{history['step_loss'][-1]:.4f}", refresh=False)
+            bar.update()
+        history["epoch_loss"].append(float(np.mean(history["step_loss"][-per_epoch:])))
+        if eval_data is not None:
+            history["epoch_accuracy"].append(accuracy(model, *eval_data, device, compute_dtype))
+    bar.close()
+    return history
+
+
+PLOT_HELP = "--plot needs matplotlib: pip install -e '.[demo]'"
+
+
+def _figure_api() -> tuple[Any, Any]:
+    """matplotlib's ``Figure`` and Agg canvas (imported only when a plot is asked for)."""
+    try:
+        import matplotlib  # noqa: F401  (a missing matplotlib fails here, with the message below)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise SystemExit(f"{PLOT_HELP} ({e})") from None
+    return Figure, FigureCanvasAgg
+
+
+def plot_history(history: dict[str, list[float]], path: str | Path) -> Path:
+    """Save the loss curve (per step, and its per-epoch mean) and the test-accuracy curve as a PNG.
+
+    ``path`` may be a directory: the file is then ``training_curves.png`` in it. Uses the Agg
+    canvas directly, so it changes no pyplot backend (in a notebook either).
+    """
+    Figure, FigureCanvasAgg = _figure_api()
+    out = Path(path)
+    if out.is_dir():
+        out = out / "training_curves.png"
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    steps = np.arange(1, len(history["step_loss"]) + 1)
+    ax_loss.plot(steps, history["step_loss"], lw=0.7, alpha=0.5, label="per step")
+    epochs = len(history["epoch_loss"])
+    if epochs:
+        per_epoch = len(steps) // epochs
+        ends = per_epoch * np.arange(1, epochs + 1)
+        ax_loss.plot(ends, history["epoch_loss"], "o-", ms=3, label="epoch mean")
+    ax_loss.set(xlabel="step", ylabel="training loss", title="loss (cross-entropy + 0.5 mse)")
+    ax_loss.legend()
+    acc = history.get("epoch_accuracy", [])
+    ax_acc.plot(np.arange(1, len(acc) + 1), acc, "o-", ms=3, color="C2")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy", ylim=(0, 1.02))
+    if acc:
+        ax_acc.annotate(f"{acc[-1]:.3f}", (len(acc), acc[-1]), xytext=(-4, -12), textcoords="offset points", ha="right")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
 def time_steps(step: Any, x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], n: int) -> float:
     step(x[idx[0]], y[idx[0]])  # warm-up (compiles kernels)
     t0 = time.perf_counter()
@@ -105,57 +195,82 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--checkpoint", default="checkpoints/demo", help="where to save the trained model")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="save the loss and test-accuracy curves as a PNG at PATH (a directory: PATH/training_curves.png); "
+        "needs matplotlib (pip install -e '.[demo]')",
+    )
+    ap.add_argument(
+        "--lazy",
+        action="store_true",
+        help="train in a lazy session (tfl.Session(lazy=True)): the same loop, one compiled program per step",
+    )
+    ap.add_argument(
         "--compute-dtype",
         default=None,
         help="mixed precision, e.g. bfloat16: float32 parameters, ops computed in this dtype (default: float32)",
     )
     args = ap.parse_args(argv)
-
-    from tqdm.auto import tqdm
+    if args.plot is not None:
+        _figure_api()  # fail now, not after training, when matplotlib is missing
 
     x_tr, x_te, y_tr, y_te = load_data(args.seed)
     model, opt = make(args.seed, args.lr)
     rng = np.random.default_rng(args.seed)
-    session = tfl.Session(device=args.device, seed=args.seed, compute_dtype=args.compute_dtype)
+    session = tfl.Session(device=args.device, seed=args.seed, compute_dtype=args.compute_dtype, lazy=args.lazy)
     print(f"tapeflow {tfl.__version__} on {session.device}: {len(x_tr)} train / {len(x_te)} test digits")
 
-    steps = args.epochs * (len(x_tr) // args.batch)
-    bar = tqdm(total=steps, disable=args.quiet, desc="training (eager)", unit="step")
-    for _ in range(args.epochs):
-        for b in batches(len(x_tr), args.batch, rng):
-            with session as s:  # the block resets the session on exit
-                loss = model.loss(s, x_tr[b], y_tr[b])
-                opt.step(s.backward(loss))  # tied W: both uses summed, one update
-                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
-            bar.update()
-    bar.close()
+    history = train(
+        model,
+        opt,
+        session,
+        x_tr,
+        y_tr,
+        epochs=args.epochs,
+        batch=args.batch,
+        rng=rng,
+        eval_data=(x_te, y_te) if args.plot is not None else None,
+        quiet=args.quiet,
+        device=args.device,
+        compute_dtype=args.compute_dtype,
+    )
 
     acc = accuracy(model, x_te, y_te, args.device, args.compute_dtype)
     print(f"test accuracy: {acc:.4f}")
+    if args.plot is not None:
+        print(f"training curves saved to {plot_history(history, args.plot).resolve()}")
 
-    # Same model code, eager step vs one compiled train_step (fresh copies, same data).
+    # Same model code three ways (fresh copies, same data): the eager loop, the same loop in a
+    # lazy session (one compiled program per step), and one compiled tfl.train_step call.
     idx = batches(len(x_tr), args.batch, np.random.default_rng(1))
-    m_e, opt_e = make(args.seed + 1, args.lr)
-    sess = tfl.Session(device=args.device)
 
-    def eager_step(xb: np.ndarray, yb: np.ndarray) -> Any:
-        with sess as s:
-            loss = m_e.loss(s, xb, yb)
-            opt_e.step(s.backward(loss))
-            return float(loss)
+    def loop_step(lazy: bool) -> Any:
+        model, opt = make(args.seed + 1, args.lr)
+        sess = tfl.Session(device=args.device, lazy=lazy)
+
+        def step(xb: np.ndarray, yb: np.ndarray) -> Any:
+            with sess as s:
+                loss = model.loss(s, xb, yb)
+                opt.step(s.backward(loss))
+                return float(loss)
+
+        return step
 
     m_c, opt_c = make(args.seed + 1, args.lr)
     compiled = tfl.train_step(m_c.loss, opt_c)
-    t_eager = time_steps(eager_step, x_tr, y_tr, idx, 100)
+    t_eager = time_steps(loop_step(False), x_tr, y_tr, idx, 100)
+    t_lazy = time_steps(loop_step(True), x_tr, y_tr, idx, 300)
     t_jit = time_steps(compiled, x_tr, y_tr, idx, 300)
     print(
-        f"time per step: eager {t_eager * 1e3:.2f} ms, train_step {t_jit * 1e3:.3f} ms ({t_eager / t_jit:.1f}x faster)"
+        f"time per step: eager {t_eager * 1e3:.2f} ms, lazy {t_lazy * 1e3:.3f} ms, train_step {t_jit * 1e3:.3f} ms "
+        f"(lazy: {t_eager / t_lazy:.1f}x faster than eager, {t_lazy / t_jit:.2f}x train_step's time)"
     )
 
     path = Path(args.checkpoint).resolve()
     tfl.save(path, model.records(), optimizer=opt, session=session, overwrite=True)
     print(f"checkpoint saved to {path}")
-    return {"accuracy": acc, "eager_step_s": t_eager, "train_step_s": t_jit}
+    return {"accuracy": acc, "eager_step_s": t_eager, "lazy_step_s": t_lazy, "train_step_s": t_jit}
 
 
 if __name__ == "__main__":

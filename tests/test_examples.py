@@ -46,20 +46,24 @@ def test_demo_trains_saves_and_restores(tmp_path: Path) -> None:
         _demo_round_trip(demo, ckpt)
 
 
-def test_demo_trains_in_bfloat16_to_the_same_bar(tmp_path: Path) -> None:
-    """Mixed precision (float32 master weights, bfloat16 compute) still reaches 0.95 test accuracy."""
+def test_demo_trains_lazily_in_bfloat16_to_the_same_bar(tmp_path: Path) -> None:
+    """Mixed precision (float32 master weights, bfloat16 compute) in a lazy session still reaches 0.95
+    test accuracy; the demo times the eager loop, the lazy loop and train_step on the same model."""
     pytest.importorskip("sklearn")
     pytest.importorskip("tqdm")
     demo = _load("demo")
     with jax.enable_x64(False):
-        out = demo.main(["--quiet", "--compute-dtype", "bfloat16", "--checkpoint", str(tmp_path / "ckpt")])
+        out = demo.main(["--quiet", "--lazy", "--compute-dtype", "bfloat16", "--checkpoint", str(tmp_path / "ckpt")])
     assert out["accuracy"] >= 0.95
+    assert out["eager_step_s"] > 0 and out["lazy_step_s"] > 0 and out["train_step_s"] > 0
 
 
 def _demo_round_trip(demo: ModuleType, ckpt: Path) -> None:
-    out = demo.main(["--quiet", "--checkpoint", str(ckpt)])
+    curves = ckpt.parent / "curves.png"
+    out = demo.main(["--quiet", "--checkpoint", str(ckpt), "--plot", str(curves)])
     assert out["accuracy"] >= 0.95
     assert ckpt.is_dir()
+    _assert_png(curves)
 
     model, _ = demo.make(0, 3e-3)  # the defaults of demo.main: seed 0, lr 3e-3
     init = [np.asarray(p.value) for p in model.records()]
@@ -80,6 +84,41 @@ def _demo_round_trip(demo: ModuleType, ckpt: Path) -> None:
     for a, p in zip(restored, model2.records()):
         np.testing.assert_array_equal(a, np.asarray(p.value))
     assert session.seed == 0  # the demo's session seed
+
+
+def _assert_png(path: Path) -> None:
+    """``path`` is a PNG of a real picture: signature, a header chunk with sane dimensions, some bytes."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert 300 <= width <= 4000 and 200 <= height <= 4000, (width, height)
+    assert len(data) > 10_000, f"{path} is suspiciously small ({len(data)} bytes)"
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"  # written to the end
+
+
+def test_demo_plot_history_writes_a_png(tmp_path: Path) -> None:
+    """The demo's plotting path on a short synthetic history (fast; the full run is in the round trip)."""
+    pytest.importorskip("matplotlib")
+    demo = _load("demo")
+    rs = np.random.default_rng(0)
+    history = {
+        "step_loss": list(2.5 * np.exp(-np.linspace(0, 3, 60)) + 0.05 * rs.random(60)),
+        "epoch_loss": [2.0, 1.2, 0.8],
+        "epoch_accuracy": [0.7, 0.85, 0.9],
+    }
+    path = demo.plot_history(history, tmp_path)  # a directory: the default file name in it
+    assert path == tmp_path / "training_curves.png"
+    _assert_png(path)
+    _assert_png(demo.plot_history(history, tmp_path / "sub" / "curves.png"))
+
+
+def test_demo_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    demo = _load("demo")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[demo\]'"):
+        demo.main(["--quiet", "--plot", "never-written.png"])  # before any training
+    assert not Path("never-written.png").exists()
 
 
 # --------------------------------------------------------------------------- char LM
@@ -343,3 +382,14 @@ def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "stale tensor handle from generation 0; current generation is 1" in text
     assert "quickstart finished" in text and "digraph tape {" in text
     assert any(h.startswith("<table>") and "<td>mse</td>" in h for h in html), "the tape's rich display"
+    if importlib.util.find_spec("matplotlib") and importlib.util.find_spec("sklearn"):
+        # the demo's training curves, shown inline as a PNG
+        pngs = [
+            o.data["image/png"]
+            for c in nb.cells
+            if c.cell_type == "code"
+            for o in c.get("outputs", [])
+            if o.output_type == "display_data" and "image/png" in o.data
+        ]
+        assert pngs, "the demo's training curves are displayed"
+        assert "test accuracy" in text

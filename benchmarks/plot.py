@@ -1,0 +1,651 @@
+"""Charts and tables from the benchmark scripts' ``--json`` results.
+
+Reads one or more results files (written by ``bench_*.py --json PATH``) and
+
+* renders SVG charts into ``--out-dir`` (deterministic: the same JSON gives the
+  same bytes):
+
+  - ``perf_train.svg``: time per training step of each model, one bar per
+    variant found in the ``train`` section (``eager``, ``train_step``,
+    ``pytorch``, ``jax_unjitted``, and any other, e.g. ``lazy``), each labelled
+    with its ratio to PyTorch eager (or to ``eager`` when PyTorch is missing);
+  - ``perf_per_op.svg``: time per recorded op (``per_op`` from bench_core.py,
+    ``session_per_op`` from bench_session.py) against the same op as a plain
+    ``jax.jit`` call, and the difference: the tape's Python overhead per op;
+
+* with ``--markdown PAGE``, rewrites the part of PAGE between
+  ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->`` with tables of
+  the numbers and the machine, versions, dates and commands they come from.
+
+Usage::
+
+    python benchmarks/plot.py benchmarks/results/*.json --out-dir docs/images --markdown docs/performance.md
+
+Only matplotlib is needed (``pip install -e '.[demo]'``); JAX is not imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TIMES, MINUS = "\u00d7", "\u2212"  # the multiplication sign and minus sign of the labels
+
+START = "<!-- perf-table:start -->"
+END = "<!-- perf-table:end -->"
+
+TRAIN_SECTION = "train"
+PER_OP_SECTIONS = ("per_op", "session_per_op")
+
+# Display names and colours of the variants the scripts write; any other variant is shown
+# under its own name, in the next free colour, after these (in the order first seen).
+VARIANT_ORDER = [
+    "eager",
+    "lazy",
+    "train_step",
+    "pytorch",
+    "jax_unjitted",
+    "jax_jit",
+    "record",
+    "session",
+]
+VARIANT_LABELS = {
+    "eager": "tapeflow eager",
+    "lazy": "tapeflow lazy",
+    "train_step": "tfl.train_step",
+    "pytorch": "PyTorch eager",
+    "jax_unjitted": "JAX, not jitted",
+    "jax_jit": "jax.jit call",
+    "record": "tfl.record (pure core)",
+    "session": "Session op",
+    "hand_jit": "hand-written jax.jit",
+    "nnx_jit": "nnx.jit",
+    "opt_step": "opt.step",
+    "lazy_record": "lazy: record one op",
+    "tape": "tape",
+    "builtin": "built-in op",
+    "lifted": "tfl.lift op",
+    "dict_by_id": "dict keyed by id()",
+    "canonical_indices": "tfl.canonical_indices",
+}
+VARIANT_COLORS = {
+    "eager": "#1f77b4",
+    "lazy": "#9467bd",
+    "train_step": "#2ca02c",
+    "pytorch": "#ff7f0e",
+    "jax_unjitted": "#7f7f7f",
+    "jax_jit": "#7f7f7f",
+    "record": "#1f77b4",
+    "session": "#17becf",
+}
+SPARE_COLORS = ["#d62728", "#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a"]
+VERSION_KEYS = ("python", "jax", "jaxlib", "optax", "numpy", "torch", "flax", "tapeflow")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True, eq=False)
+class Run:
+    """One results file: its metadata and records."""
+
+    path: Path
+    benchmark: str
+    machine: dict[str, Any]
+    date: str
+    command: list[str]
+    quick: bool
+    results: list[dict[str, Any]]
+
+
+def load(paths: Iterable[str | Path]) -> list[Run]:
+    runs = []
+    for p in paths:
+        path = Path(p)
+        d = json.loads(path.read_text())
+        for key in ("benchmark", "machine", "date", "command", "results"):
+            if key not in d:
+                raise SystemExit(f"{path}: not a benchmark results file (no {key!r}); write one with --json")
+        runs.append(
+            Run(path, d["benchmark"], d["machine"], d["date"], list(d["command"]), bool(d.get("quick")), d["results"])
+        )
+    return runs
+
+
+@dataclass(frozen=True)
+class Rec:
+    run: Run
+    row: dict[str, Any]
+
+    @property
+    def time_us(self) -> float | None:
+        t = self.row.get("time_us")
+        return None if t is None else float(t)
+
+
+def collect(runs: Sequence[Run], sections: Sequence[str]) -> dict[tuple[str, str], Rec]:
+    """``(model, variant) -> record`` over ``sections``, taken in that order.
+
+    A timing found in several files (two scripts that both time ``eager``, say) is taken, per
+    section and model, from the file with the most variants of that model (so that the bars of a
+    model come from as few runs as possible), ties going to the file given first.
+    """
+    out: dict[tuple[str, str], Rec] = {}
+    for section in sections:
+        by_model: dict[str, list[list[Rec]]] = {}
+        for run in runs:
+            per_model: dict[str, list[Rec]] = {}
+            for row in run.results:
+                if row.get("section") == section and row.get("time_us") is not None:
+                    per_model.setdefault(row["model"], []).append(Rec(run, row))
+            for model, recs in per_model.items():
+                by_model.setdefault(model, []).append(recs)
+        for model, candidates in by_model.items():
+            for recs in sorted(candidates, key=lambda rs: -len(rs)):  # stable: ties keep file order
+                for rec in recs:
+                    out.setdefault((model, rec.row["variant"]), rec)
+    return out
+
+
+def run_time(run: Run, section: str, model: str, variant: str | None) -> float | None:
+    """The time of one record of one file, if it is there."""
+    for row in run.results:
+        if (row.get("section"), row.get("model"), row.get("variant")) == (section, model, variant):
+            t = row.get("time_us")
+            return None if t is None else float(t)
+    return None
+
+
+def baseline_time(rec: Rec) -> float | None:
+    """The time of ``rec``'s baseline record, from the same file, section and model."""
+    return run_time(rec.run, rec.row["section"], rec.row["model"], rec.row.get("baseline"))
+
+
+def ratio_to(rec: Rec, ref: str, recs: dict[tuple[str, str], Rec]) -> float | None:
+    """``rec``'s time over the reference variant's, from the same run when that run has it."""
+    model = rec.row["model"]
+    base = run_time(rec.run, rec.row["section"], model, ref)
+    if base is None and (model, ref) in recs:
+        base = recs[(model, ref)].time_us
+    return None if not base or rec.time_us is None else rec.time_us / base
+
+
+def ordered(names: Iterable[str]) -> list[str]:
+    seen: list[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    known = [v for v in VARIANT_ORDER if v in seen]
+    return known + [v for v in seen if v not in VARIANT_ORDER]
+
+
+def label(variant: str) -> str:
+    return VARIANT_LABELS.get(variant, variant)
+
+
+def colors(variants: Sequence[str]) -> dict[str, str]:
+    out, spare = {}, iter(SPARE_COLORS * 4)
+    used = set()
+    for v in variants:
+        c = VARIANT_COLORS.get(v)
+        if c is None or c in used:
+            c = next(spare)
+        used.add(c)
+        out[v] = c
+    return out
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def fmt_us(t: float) -> str:
+    """A time given in microseconds, as µs, ms or s with three significant digits (``1.90 ms``)."""
+    a = abs(t)
+    scale, unit = (1e6, "s") if a >= 1e6 else (1e3, "ms") if a >= 1e3 else (1.0, "µs")
+    v = t / scale
+    digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2
+    return f"{v:.{digits}f} {unit}"
+
+
+def fmt_date(iso: str) -> str:
+    """``2025-01-02T03:04:05+00:00`` as ``2025-01-02 03:04 UTC``."""
+    day, _, rest = iso.partition("T")
+    return f"{day} {rest[:5]} UTC" if rest else day
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    cpu = m.get("processor") or m.get("machine") or "unknown CPU"
+    return f"{cpu}, {m.get('cpu_count', '?')} CPUs, {m.get('platform', '?')}"
+
+
+def versions_line(m: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {m[k]}" for k in VERSION_KEYS if m.get(k))
+
+
+def command_line(run: Run) -> str:
+    return shlex.join(["python", *run.command])
+
+
+def caption(runs: Iterable[Run]) -> str:
+    """One line per results file: benchmark, date, (quick), CPU, versions."""
+    lines = []
+    for run in sorted(set(runs), key=lambda r: (r.benchmark, str(r.path))):
+        quick = " --quick" if run.quick else ""
+        m = run.machine
+        cpu = m.get("processor") or m.get("machine") or "unknown CPU"
+        lines.append(
+            f"{run.benchmark}{quick}, {fmt_date(run.date)}: {cpu}, {m.get('cpu_count', '?')} CPUs; {versions_line(m)}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise SystemExit("plot.py needs matplotlib: pip install -e '.[demo]'") from None
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update(
+        {
+            "svg.hashsalt": "tapeflow-benchmarks",  # fixed ids: the same input gives the same SVG
+            "svg.fonttype": "none",  # text stays text: small files, searchable labels
+            "font.family": "DejaVu Sans",
+            "font.size": 9,
+        }
+    )
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def grouped_bars(
+    ax: Any,
+    groups: Sequence[str],
+    variants: Sequence[str],
+    value: Callable[[str, str], float | None],
+    text: Callable[[str, str], str | None],
+    palette: dict[str, str],
+    log: bool,
+    marker: Callable[[str, str], float | None] | None = None,
+    marker_label: str = "",
+) -> None:
+    """One cluster of bars per group, one bar per variant that has a value there (in the order
+    of ``variants``, centred on the group: a group with fewer variants has no gaps).
+
+    ``marker`` (optional) draws a black line across a bar at another value (its baseline).
+    """
+    present = {g: [v for v in variants if value(g, v) is not None] for g in groups}
+    width = 0.8 / max([1, *(len(vs) for vs in present.values())])
+    marked = False
+    for v in variants:
+        xs, ys, notes = [], [], []
+        for i, g in enumerate(groups):
+            y = value(g, v)
+            if y is None:
+                continue
+            j, n = present[g].index(v), len(present[g])
+            xs.append(i + width * (j - (n - 1) / 2))
+            ys.append(y)
+            notes.append(text(g, v))
+            m = None if marker is None else marker(g, v)
+            if m is not None:
+                x = xs[-1]
+                ax.plot(
+                    [x - width * 0.46, x + width * 0.46],
+                    [m, m],
+                    color="black",
+                    lw=1.6,
+                    label=None if marked else marker_label,
+                )
+                marked = True
+        if not xs:
+            continue
+        bars = ax.bar(xs, ys, width * 0.92, label=label(v), color=palette[v])
+        for bar, note in zip(bars, notes):
+            if note:
+                h = bar.get_height()
+                ax.annotate(
+                    note,
+                    (bar.get_x() + bar.get_width() / 2, h if h >= 0 else 0),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=6.5,
+                )
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([wrap(g, 16) for g in groups])
+    if log:
+        ax.set_yscale("log")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.set_axisbelow(True)
+
+
+def wrap(text: str, width: int) -> str:
+    """Break ``text`` at spaces into lines of about ``width`` characters (tick labels)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def _span(values: Iterable[float]) -> float:
+    vs = [v for v in values if v > 0]
+    return max(vs) / min(vs) if vs else 1.0
+
+
+FORMAT = "svg"
+
+
+def _finish(plt: Any, fig: Any, runs: Iterable[Run], path: Path) -> Path:
+    fig.text(0.01, 0.01, caption(runs), fontsize=6.5, color="#555555", va="bottom", ha="left")
+    path = path.with_suffix("." + FORMAT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if FORMAT == "svg":
+        fig.savefig(path, format="svg", metadata={"Date": None})
+    else:
+        fig.savefig(path, format=FORMAT, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def reference_of(recs: dict[tuple[str, str], Rec], model: str) -> str | None:
+    for ref in ("pytorch", "eager"):
+        if (model, ref) in recs:
+            return ref
+    return None
+
+
+def plot_train(runs: Sequence[Run], out_dir: Path) -> Path | None:
+    """Time per training step per model, one bar per variant, labelled with the ratio to the reference."""
+    recs = collect(runs, [TRAIN_SECTION])
+    if not recs:
+        return None
+    plt = _pyplot()
+    models = list(dict.fromkeys(m for m, _ in recs))
+    variants = ordered(v for _, v in recs)
+    refs = {m: reference_of(recs, m) for m in models}
+
+    def value(m: str, v: str) -> float | None:
+        r = recs.get((m, v))
+        return None if r is None else (r.time_us or 0.0) / 1e3
+
+    def text(m: str, v: str) -> str | None:
+        r, ref = recs.get((m, v)), refs[m]
+        if r is None or r.time_us is None:
+            return None
+        t = fmt_us(r.time_us)
+        if ref is None or v == ref:
+            return t
+        ratio = ratio_to(r, ref, recs)
+        return t if ratio is None else f"{t}\n{ratio:.2f}{TIMES}"
+
+    n_bars = sum(1 for m in models for v in variants if (m, v) in recs)
+    fig_w = min(20.0, max(8.0, 1.5 + 0.6 * n_bars))
+    fig, ax = plt.subplots(figsize=(fig_w, 4.8))
+    fig.subplots_adjust(left=0.7 / fig_w, right=1 - 0.15 / fig_w, top=0.88, bottom=0.27)
+    log = _span(r.time_us or 0 for r in recs.values()) > 8
+    grouped_bars(ax, models, variants, value, text, colors(variants), log)
+    ax.set_ylabel("time per training step (ms" + (", log scale)" if log else ")"))
+    ref_names = sorted({label(r) for r in refs.values() if r})
+    ax.set_title(
+        "Training step: forward, backward, Adam update (batch 64, float32)\n"
+        f"ratio = time / {' or '.join(ref_names) or 'reference'}; lower is better",
+        fontsize=9.5,
+    )
+    ax.margins(y=0.15)
+    ax.legend(fontsize=7.5, ncols=min(len(variants), 5), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    return _finish(plt, fig, {r.run for r in recs.values()}, out_dir / "perf_train.svg")
+
+
+def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
+    """Time per recorded op against a plain jax.jit call, and the difference (the per-op overhead)."""
+    recs = collect(runs, PER_OP_SECTIONS)
+    if not recs:
+        return None
+    plt = _pyplot()
+    ops = list(dict.fromkeys(m for m, _ in recs))
+    variants = ordered(v for _, v in recs)
+    palette = colors(variants)
+    base = {k: b for k, r in recs.items() if (b := baseline_time(r)) is not None}
+    over = {k: (recs[k].time_us or 0.0) - b for k, b in base.items()}
+    over_variants = [v for v in variants if any(k[1] == v for k in over)]
+    baselines = {r.row.get("baseline") for r in recs.values()}
+    # the baselines (the jax.jit calls) are drawn as a line across each bar, from the bar's own run
+    shown = [v for v in variants if v not in baselines]
+    base_name = " or ".join(sorted(label(b) for b in baselines if b)) or "baseline"
+
+    over_ops = [m for m in ops if any(k[0] == m for k in over)]
+    n1, n2 = len(ops), max(1, len(over_ops))
+    fig_w = min(18.0, max(9.5, 3.0 + 1.4 * (n1 + n2)))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(fig_w, 4.6), gridspec_kw={"width_ratios": [n1, n2]})
+    fig.subplots_adjust(left=0.7 / fig_w, right=1 - 0.1 / fig_w, top=0.86, bottom=0.3, wspace=0.25)
+
+    def value(m: str, v: str) -> float | None:
+        r = recs.get((m, v))
+        return None if r is None else r.time_us
+
+    def text(m: str, v: str) -> str | None:
+        r = recs.get((m, v))
+        return None if r is None or r.time_us is None else fmt_us(r.time_us)
+
+    log = _span(r.time_us or 0 for r in recs.values()) > 8
+    grouped_bars(a1, ops, shown, value, text, palette, log, lambda m, v: base.get((m, v)), f"{base_name} (same run)")
+    a1.set_ylabel("µs per op" + (" (log scale)" if log else ""))
+    a1.set_title("time per op", fontsize=9)
+    a1.margins(y=0.15)
+
+    def ovalue(m: str, v: str) -> float | None:
+        return over.get((m, v))
+
+    def otext(m: str, v: str) -> str | None:
+        o = over.get((m, v))
+        return None if o is None else f"{o:+.1f} µs"
+
+    grouped_bars(a2, over_ops, over_variants, ovalue, otext, palette, False)
+    a2.axhline(0, color="black", lw=0.6)
+    a2.set_ylabel(f"µs per op over the {base_name}")
+    a2.set_title(f"overhead per recorded op (time {MINUS} {base_name})", fontsize=9)
+    a2.margins(y=0.15)
+    fig.suptitle(f"Per-op cost: recording an op vs the same kernel as a {base_name}", fontsize=10)
+    handles, labels = a1.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7.5, ncols=len(labels), loc="lower center", bbox_to_anchor=(0.5, 0.12))
+    return _finish(plt, fig, {r.run for r in recs.values()}, out_dir / "perf_per_op.svg")
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _cell(s: Any) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: Sequence[str] | None = None) -> str:
+    align = align or ["l"] * len(header)
+    lines = [
+        "| " + " | ".join(_cell(h) for h in header) + " |",
+        "| " + " | ".join("---:" if a == "r" else "---" for a in align) + " |",
+    ]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def train_table(runs: Sequence[Run]) -> str | None:
+    recs = collect(runs, [TRAIN_SECTION])
+    if not recs:
+        return None
+    models = list(dict.fromkeys(m for m, _ in recs))
+    variants = ordered(v for _, v in recs)
+    rows = []
+    for m in models:
+        ref = reference_of(recs, m)
+        row = [m]
+        for v in variants:
+            r = recs.get((m, v))
+            if r is None or r.time_us is None:
+                row.append("")
+            elif ref is None or v == ref:
+                row.append(fmt_us(r.time_us))
+            else:
+                ratio = ratio_to(r, ref, recs)
+                row.append(fmt_us(r.time_us) + ("" if ratio is None else f" ({ratio:.2f}{TIMES})"))
+        rows.append(row)
+    refs = sorted({label(x) for m in models if (x := reference_of(recs, m))})
+    return (
+        table(["model", *(label(v) for v in variants)], rows, ["l"] + ["r"] * len(variants))
+        + f"\n\nTime per training step; in brackets, the ratio to {' or '.join(refs) or 'the reference'} (lower is better)."
+    )
+
+
+def per_op_table(runs: Sequence[Run]) -> str | None:
+    recs = collect(runs, PER_OP_SECTIONS)
+    if not recs:
+        return None
+    ops = list(dict.fromkeys(m for m, _ in recs))
+    variants = ordered(v for _, v in recs)
+    over_variants = [v for v in variants if any(baseline_time(r) is not None for (_, vv), r in recs.items() if vv == v)]
+    header = ["op", *(label(v) for v in variants), *(f"{label(v)} {MINUS} jax.jit" for v in over_variants)]
+    rows = []
+    for m in ops:
+        row = [m]
+        for v in variants:
+            r = recs.get((m, v))
+            row.append("" if r is None or r.time_us is None else fmt_us(r.time_us))
+        for v in over_variants:
+            r = recs.get((m, v))
+            b = None if r is None else baseline_time(r)
+            row.append("" if r is None or b is None else f"{(r.time_us or 0.0) - b:+.1f} µs")
+        rows.append(row)
+    return (
+        table(header, rows, ["l"] + ["r"] * (len(header) - 1))
+        + "\n\nTime per op, and the difference to the same kernel called through `jax.jit` in the same run "
+        "(the Python bookkeeping of recording the op; for the larger ops it is within the noise)."
+    )
+
+
+def machine_table(runs: Sequence[Run]) -> str:
+    runs = sorted(runs, key=lambda r: (r.benchmark, str(r.path)))
+    keys = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", *VERSION_KEYS]
+    present = [k for k in keys if any(r.machine.get(k) not in (None, "") for r in runs)]
+    rows: list[list[Any]] = [["date", *(fmt_date(r.date) for r in runs)]]
+    rows.append(["quick run", *("yes" if r.quick else "no" for r in runs)])
+    for k in present:
+        if k == "xla_flags":
+            rows.append([k, *(f"`{r.machine[k]}`" if r.machine.get(k) else "(none)" for r in runs)])
+        else:
+            rows.append([k, *(r.machine.get(k, "") for r in runs)])
+    return table(["", *(r.benchmark for r in runs)], rows)
+
+
+def all_results(run: Run) -> str:
+    rows = []
+    for row in run.results:
+        if row.get("time_us") is not None:
+            t = f"{fmt_us(float(row['time_us']))} / {row.get('per', '')}"
+        elif "python_calls" in row:
+            t = f"{row['python_calls']} Python calls / {row.get('per', '')}"
+        else:
+            t = ""
+        ratio = row.get("ratio")
+        rows.append(
+            [
+                row.get("section", ""),
+                row.get("model", ""),
+                row.get("variant", ""),
+                t,
+                "" if ratio is None else f"{ratio:.2f}{TIMES} {row.get('baseline')}",
+                row.get("target", ""),
+            ]
+        )
+    return table(["section", "model", "variant", "time", "ratio", "target"], rows, ["l", "l", "l", "r", "r", "l"])
+
+
+def render_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
+    """The generated part of the performance page (between the markers, exclusive)."""
+    parts = [
+        "<!-- generated by benchmarks/plot.py from "
+        + ", ".join(sources)
+        + "; edit the script or rerun it, not this block -->",
+    ]
+    quick = sorted(r.benchmark for r in runs if r.quick)
+    if quick:
+        parts.append(
+            f"**These numbers come from `--quick` runs** ({', '.join(quick)}): few repeats, "
+            "noisy. Rerun the commands below without `--quick` on a quiet machine for numbers to quote."
+        )
+    for title, body in (("Training step", train_table(runs)), ("Per-op overhead", per_op_table(runs))):
+        if body:
+            parts.append(f"### {title}\n\n{body}")
+    parts.append("### Measured on\n\n" + machine_table(runs))
+    cmds = "\n".join(command_line(r) for r in sorted(runs, key=lambda r: (r.benchmark, str(r.path))))
+    parts.append("The commands that produced these results:\n\n```bash\n" + cmds + "\n```")
+    parts.append("### All results")
+    for run in sorted(runs, key=lambda r: (r.benchmark, str(r.path))):
+        parts.append(f"#### {run.benchmark}\n\n{all_results(run)}")
+    return "\n\n".join(parts)
+
+
+def source_names(runs: Sequence[Run], base: Path) -> list[str]:
+    """The results files' paths relative to ``base`` (the repository root), else their names."""
+    names = []
+    for r in runs:
+        try:
+            names.append(r.path.resolve().relative_to(base.resolve()).as_posix())
+        except ValueError:
+            names.append(r.path.name)
+    return names
+
+
+def fill_markdown(page: Path, body: str) -> None:
+    """Replace the text between the markers in ``page`` with ``body``."""
+    text = page.read_text()
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise SystemExit(f"{page}: needs one {START} line followed by one {END} line")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="results files written by bench_*.py --json")
+    ap.add_argument("--out-dir", default="docs/images", help="where the SVG charts go (default: docs/images)")
+    ap.add_argument("--markdown", metavar="PAGE", help="fill PAGE's perf-table block with tables of the numbers")
+    ap.add_argument("--no-charts", action="store_true", help="only the --markdown tables")
+    ap.add_argument("--format", choices=("svg", "png"), default="svg", help="chart format (default: svg)")
+    args = ap.parse_args(argv)
+    global FORMAT
+    FORMAT = args.format
+    runs = load(args.results)
+    written: list[Path] = []
+    if not args.no_charts:
+        out = Path(args.out_dir)
+        for fn in (plot_train, plot_per_op):
+            p = fn(runs, out)
+            if p is not None:
+                written.append(p)
+                print(f"wrote {p}")
+    if args.markdown:
+        page = Path(args.markdown)
+        fill_markdown(page, render_markdown(runs, source_names(runs, Path.cwd())))
+        written.append(page)
+        print(f"wrote {page} (between {START} and {END})")
+    return written
+
+
+if __name__ == "__main__":
+    main()
