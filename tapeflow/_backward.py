@@ -34,7 +34,7 @@ from ._result import Err, TapeError
 from ._tape import Node, Tape, leaf, node_id, record
 from ._typing import Array, ArrayLike, AttrValue, NodeId
 
-__all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "run_hooks"]
+__all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "root_and_seed", "run_hooks"]
 
 _add = jax.jit(jnp.add)
 _ONE: dict[np.dtype, np.ndarray] = {}
@@ -95,7 +95,7 @@ def _zeros(nd: Node) -> Array:
     return jnp.zeros(nd.shape, nd.dtype)
 
 
-def _root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int, Array]:
+def root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int, Array]:
     """Validate ``root`` (a node id or ``Ok``) and ``seed``; the seed defaults to 1 for a scalar root."""
     root = node_id(tape, root, "backward", "root")
     rnode = tape._buf.nodes[root]
@@ -214,7 +214,7 @@ def backward(
     >>> float(backward(t, y.value)[x])
     6.0
     """
-    root, seed_v = _root_and_seed(tape, root, seed)
+    root, seed_v = root_and_seed(tape, root, seed)
     want = _wanted(tape, wrt)
     nodes = tape._buf.nodes
 
@@ -295,7 +295,7 @@ def backward_graph(
     the id that replaces the cotangent. On an error it raises :class:`TapeError`; the
     ``tape`` passed in is a value and was not changed.
     """
-    root, seed_v = _root_and_seed(tape, root, seed)
+    root, seed_v = root_and_seed(tape, root, seed)
     want = _wanted(tape, wrt)
     t, seed_id = leaf(tape, seed_v)
     nodes = tape._buf.nodes  # the sweep reads only nodes up to root, all in the original tape

@@ -29,10 +29,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _registry as R
 from ._interrupts import deferred_interrupts
-from ._optim import Optimizer, SlotKey
+from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._session import Session
+from ._slots import SlotKey
 from ._state import mode_reads
 from ._tensor import Tensor
 from ._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
@@ -63,7 +64,7 @@ def param_values(params: PyTree) -> PyTree:
 def _functional_session(
     overrides: dict[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
 ) -> Session:
-    return Session(device=None, seed=0, param_values=overrides, rng_key=key, compute_dtype=compute_dtype)
+    return Session(device=None, seed=0, param_values=overrides, rng_key=key, compute_dtype=compute_dtype, lazy=False)
 
 
 def _trace_loss(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -96,6 +96,12 @@ def sum_in_leaf_order(parts: Sequence[Array]) -> Array:
     return g
 
 
+class PendingGradients(Protocol):
+    """Gradients a lazy session computes on first read (:class:`tapeflow._lazy.LazyGrads`)."""
+
+    def resolve(self) -> dict[NodeId, Array]: ...
+
+
 class Grads(Mapping[GradKey, Array]):
     """The result of :meth:`Session.backward`.
 
@@ -112,12 +118,17 @@ class Grads(Mapping[GradKey, Array]):
 
     def __init__(
         self,
-        by_leaf: dict[NodeId, Array],
+        by_leaf: dict[NodeId, Array] | PendingGradients,
         groups: list[ParameterGroup],
         owner: int,
         generation: int,
     ) -> None:
-        self.by_leaf = by_leaf
+        # a lazy session's gradients are computed when first read (or fused into an optimizer step)
+        self.pending: PendingGradients | None = None
+        if isinstance(by_leaf, dict):
+            self._by_leaf = by_leaf
+        else:
+            self.pending, self._by_leaf = by_leaf, {}
         self.groups = groups
         self.owner = owner
         self.generation = generation
@@ -131,6 +142,14 @@ class Grads(Mapping[GradKey, Array]):
         self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
         self.released = False
         self._consumed: set[NodeId] = set()
+
+    @property
+    def by_leaf(self) -> dict[NodeId, Array]:
+        """``{leaf id: cotangent}`` (a lazy session's are computed here, on first read)."""
+        if self.pending is not None:
+            self._by_leaf = self.pending.resolve()
+            self.pending = None
+        return self._by_leaf
 
     # -- gradient per group ----------------------------------------------------
     def group_gradient(self, group: ParameterGroup) -> Array | None:
@@ -251,7 +270,7 @@ class Grads(Mapping[GradKey, Array]):
             return
         for g in groups:
             for i in g.leaves:
-                self.by_leaf.pop(i, None)
+                self._by_leaf.pop(i, None)
             self._sums.pop(g.id, None)
             self._param_leaves.difference_update(g.leaves)
             self._consumed.add(g.id)
@@ -263,7 +282,8 @@ class Grads(Mapping[GradKey, Array]):
         if self.released:
             return
         self.released = True
-        self.by_leaf = {}
+        self.pending = None
+        self._by_leaf = {}
         self._sums = {}
 
     def __enter__(self) -> Grads:
@@ -273,5 +293,9 @@ class Grads(Mapping[GradKey, Array]):
         self.release()
 
     def __repr__(self) -> str:
-        state = "released" if self.released else f"{len(self.by_leaf)} leaves, {len(self.groups)} parameter groups"
+        state = (
+            "released"
+            if self.released
+            else f"{len(self._by_leaf) if self.pending is None else 'pending'} leaves, {len(self.groups)} parameter groups"
+        )
         return f"Grads({state})"

@@ -26,11 +26,12 @@ class KernelCache(OrderedDict[Any, Any]):
     """An LRU cache of kernels, counted as ``name`` by :func:`kernel_cache_info`; ``hit`` is a ``get``
     that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`."""
 
-    __slots__ = ("evictions",)
+    __slots__ = ("evictions", "opaque")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, opaque: bool = False) -> None:
         super().__init__()
         self.evictions = 0
+        self.opaque = opaque  # keys do not name their ops (interned structures): dropped whole by drop_kernels_of
         _CACHES[name] = self
 
     def hit(self, key: Any) -> Any:
@@ -52,12 +53,13 @@ class KernelCache(OrderedDict[Any, Any]):
 
 
 def kernel_cache_info() -> dict[str, int]:
-    """Entries per kernel cache (``"fwd"``, ``"vjp"``, ``"jvp"``, ``"fwd_jit"``: per op and attrs, ``"random"``: draws),
+    """Entries per kernel cache (``"fwd"``, ``"vjp"``, ``"jvp"``, ``"fwd_jit"``: per op and attrs, ``"random"``: draws,
+    ``"lazy"``: programs of lazy sessions, ``"lazy_checked"``: structures whose backward a lazy session traced),
     their bound (``"max_size"``) and the ``"evictions"`` since the last :func:`clear_kernel_caches`.
 
     >>> import tapeflow as tfl
     >>> sorted(tfl.kernel_cache_info())
-    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'max_size', 'random', 'vjp']
+    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'lazy', 'lazy_checked', 'max_size', 'random', 'vjp']
     """
     info = {name: len(c) for name, c in _CACHES.items()}
     return {**info, "max_size": _max_size, "evictions": sum(c.evictions for c in _CACHES.values())}
@@ -100,6 +102,9 @@ def drop_kernels_of(names: Collection[str]) -> None:
     >>> drop_kernels_of({"no_such_op"})
     """
     for cache in list(_CACHES.values()):
+        if cache.opaque:
+            cache.clear()
+            continue
         for key in [k for k in list(cache) if _mentions(k, names)]:
             cache.pop(key, None)
 

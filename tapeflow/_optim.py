@@ -30,110 +30,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.tree_utils import tree_map_params
 
 from . import _registry as R
 from ._grads import Grads, ParameterGroup, sum_in_leaf_order
 from ._interrupts import deferred_interrupts
+from ._lazy import LazyGrads
 from ._params import Param, Storage, _device_of, canonical_indices
 from ._result import TapeError
+from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
 from ._state import StateLog, state_log_of
 from ._typing import Array, ArrayLike, OptState, PyTree
 
 if TYPE_CHECKING:
-    from .nn import Module
+    pass
 
-__all__ = ["Optimizer", "slot_index_tree"]
-
-SlotKey: TypeAlias = "str | int"
-"""The key of one slot in the optax params pytree: the first name of its storage (mapping), else its position."""
-
-ParamCollection: TypeAlias = "Param | Sequence[Param] | Mapping[str, Param] | Module"
-"""What :class:`Optimizer` accepts: one Param, a sequence, a mapping ``name -> Param``, or a module."""
+__all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 
 GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
 """What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
 
 UpdateFn: TypeAlias = Callable[[list[Array | None], OptState, list[Array]], tuple[list[Array], OptState]]
 """The jitted ``(slot_grads, state, values) -> (new_values, new_state)`` of one used-pattern."""
-
-
-def _records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]:
-    """Flatten the user's parameter collection into registrations (+ names for a mapping)."""
-    if hasattr(params, "named_parameters") and callable(params.named_parameters):
-        # a module's trainable parameters: state cells (BatchNorm's running statistics) and frozen Params get no slot
-        named = [(n, p) for n, p in params.named_parameters() if getattr(p, "trainable", True)]
-        return [p for _, p in named], [n for n, _ in named]
-    if isinstance(params, Param):
-        return [params], None
-    if isinstance(params, Mapping):
-        first: dict[str, object] = {}
-        for k in params:
-            other = first.setdefault(str(k), k)
-            if other is not k:
-                raise TypeError(
-                    f"Optimizer: the keys {other!r} and {k!r} both name the slot {str(k)!r}; "
-                    "use keys that are distinct as strings"
-                )
-        names = list(first)
-        recs = list(params.values())
-    elif params is None or not isinstance(params, Iterable):
-        raise TypeError(
-            f"Optimizer: params is {'None' if params is None else type(params).__name__}; pass a list, a dict of name -> Param, or a module"
-        )
-    else:
-        recs = list(cast("Iterable[Param]", params))
-        names = None
-    for i, p in enumerate(recs):
-        if not isinstance(p, Param):
-            where = names[i] if names else f"position {i}"
-            raise TypeError(f"Optimizer: {where} holds {type(p).__name__}, expected a tfl.Param")
-    return recs, names
-
-
-def _below_params_root(x: object) -> bool:
-    # The optimizer's params pytree is one flat dict or list; everything inside it
-    # (an array, optax.masked's MaskedNode, a per-parameter tuple) is one parameter's part.
-    return not isinstance(x, (dict, list))
-
-
-def _slot_of(_: object, k: object) -> int:
-    if not isinstance(k, int):  # the params copy is not shaped like the params tree
-        raise TypeError(f"a per-parameter part of the state does not line up with the params tree (got {k!r})")
-    return k
-
-
-def _not_a_slot(_: object) -> int:
-    return -1
-
-
-def slot_index_tree(tx: optax.GradientTransformation, state: OptState, params_index: PyTree) -> PyTree:
-    """Which parameter each part of an optax ``state`` belongs to.
-
-    ``params_index`` is the optimizer's params pytree (a flat dict or list) with
-    each parameter replaced by its slot index. The result is a prefix of
-    ``state``: every copy of the params tree inside ``state`` (Adam's ``mu`` and
-    ``nu``, a momentum trace, ``MultiSteps``' accumulators, the inner states of
-    ``optax.masked`` / ``multi_transform``, with ``MaskedNode`` s) holds, for each
-    parameter, its slot index; every other part (step counts, hyperparameters,
-    per-label dicts) is ``-1``. The copies are found with
-    :func:`optax.tree_utils.tree_map_params`, which initializes ``tx`` on a
-    placeholder to learn where its state holds params-shaped trees; nothing is
-    guessed from container types or sizes.
-
-    >>> import jax.numpy as jnp, optax
-    >>> tx = optax.adam(1e-3)
-    >>> state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(())})
-    >>> slot_index_tree(tx, state, {"w": 0, "b": 1})[0]
-    ScaleByAdamState(count=-1, mu={'b': 1, 'w': 0}, nu={'b': 1, 'w': 0})
-
-    Raises whatever ``tree_map_params`` raises when ``tx.init`` cannot run on its
-    placeholder (e.g. ``multi_transform`` with a callable that inspects the
-    params) or ``state`` does not have the structure ``tx.init`` gives.
-    """
-    return tree_map_params(
-        tx, _slot_of, state, params_index, transform_non_params=_not_a_slot, is_leaf=_below_params_root
-    )
 
 
 class Optimizer:
@@ -177,7 +94,7 @@ class Optimizer:
         self.tx = tx
         self.check_finite = check_finite
         self.lock = threading.RLock()  # steps from several threads run one after the other
-        self._records, names = _records_of(params)
+        self._records, names = records_of(params)
         self._names = names
         self._update_fns: dict[tuple[bool, ...], UpdateFn] = {}
         self._init_slots()
@@ -328,16 +245,10 @@ class Optimizer:
         """For each slot, the cotangents to validate (None: slot unused this step), and its group for a Grads."""
         n = len(self._slot_storages)
         per_slot: list[tuple[Array, ...] | None] = [None] * n
-        groups: list[ParameterGroup | None] = [None] * n
         if isinstance(grads, Grads):
-            if grads.released:
-                raise TapeError("Optimizer.step: these gradients were already released; run backward again")
-            for g in grads.groups:
-                if g.storage is None:
-                    self._refuse_storageless(g)
-                    continue
-                k = self._slot_of_storage.get(id(g.storage))
-                if k is None:
+            groups = self._slot_groups(grads)
+            for slot, g in enumerate(groups):
+                if g is None:
                     continue
                 missing = [i for i in g.leaves if i not in grads.by_leaf]
                 if missing:
@@ -345,9 +256,9 @@ class Optimizer:
                         f"Optimizer.step: missing gradient for leaf #{missing[0]} of {g.parameter!r} "
                         f"(storage used at leaves {list(g.leaves)}); nothing was updated"
                     )
-                per_slot[k] = grads.leaf_values(g)
-                groups[k] = g
+                per_slot[slot] = grads.leaf_values(g)
             return per_slot, groups
+        groups = [None] * n  # a mapping has no parameter groups
         if not isinstance(grads, Mapping):
             raise TypeError(
                 f"Optimizer.step expects tfl.Grads or a mapping Param -> gradient, got {type(grads).__name__}"
@@ -368,6 +279,18 @@ class Optimizer:
                 continue
             per_slot[k] = (per_slot[k] or ()) + (v,)
         return per_slot, groups
+
+    def _slot_groups(self, grads: Grads) -> list[ParameterGroup | None]:
+        """The parameter group of ``grads`` that updates each slot (None: the recording did not use it)."""
+        if grads.released:
+            raise TapeError("Optimizer.step: these gradients were already released; run backward again")
+        groups: list[ParameterGroup | None] = [None] * len(self._slot_storages)
+        for g in grads.groups:
+            if g.storage is None:
+                self._refuse_storageless(g)
+            elif (k := self._slot_of_storage.get(id(g.storage))) is not None:
+                groups[k] = g
+        return groups
 
     def _refuse_storageless(self, g: ParameterGroup) -> None:
         """Raise if ``g`` registers one of this optimizer's Params without a storage (nothing to update)."""
@@ -501,8 +424,11 @@ class Optimizer:
 
     def _step(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
         storages = self.check_layout()
+        check = self.check_finite if check_finite is None else check_finite
+        if isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads) and self._fused(grads, check, log):
+            return
         per_slot, groups = self._collect(grads)
-        self._validate(per_slot, self.check_finite if check_finite is None else check_finite)
+        self._validate(per_slot, check)
         used = tuple(p is not None for p in per_slot)
         mine = [g for g in groups if g is not None]
         if not any(used):
@@ -527,6 +453,39 @@ class Optimizer:
             self.install(new_vals, new_state, used)
             if log is not None:
                 log.commit()
+
+    def _fused(self, grads: Grads, check_finite: bool, log: StateLog | None) -> bool:
+        """A lazy session's unread gradients and this update as one program (as ``train_step``); False: not fusable.
+
+        It fuses when this optimizer consumes every parameter group of ``grads``
+        (else they are computed once and shared, as eagerly); checks, failures
+        and the write-back are :meth:`step`'s.
+        """
+        lazy = cast(LazyGrads, grads.pending)
+        groups = self._slot_groups(grads)
+        mine = [g for g in groups if g is not None]
+        if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
+            return False
+        nodes = lazy.tape._buf.nodes
+        leaves = [None if g is None else g.leaves for g in groups]
+        self._validate([None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], False)  # specs
+        used = tuple(ls is not None for ls in leaves)
+        grads.pending = None  # consumed by this step, read or not
+        try:
+            storages = self._slot_storages
+            values = [st.read(_device_of(nodes[mine[0].leaves[0]].value)) for st in storages]
+            exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
+            new_vals, new_state, flags = lazy.step(leaves, self._update_fn(used), values, self.state, check_finite)
+            if flags is not None and not bool(jnp.all(flags)):
+                bad = self.describe(int(np.argmin(np.asarray(flags))))
+                raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
+        finally:
+            grads.consume(mine)
+        with deferred_interrupts():
+            self.install(new_vals, new_state, used, exact=exact)  # the program cast them to the slots' dtypes
+            if log is not None:
+                log.commit()
+        return True
 
     def install(
         self,

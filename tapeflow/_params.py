@@ -257,8 +257,15 @@ class Storage:
         return _treescope.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 
+_ONE_DEVICE = jax.sharding.SingleDeviceSharding
+
+
 def _device_of(x: Array) -> jax.Device | None:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        sh = getattr(x, "sharding", None)
+        if type(sh) is _ONE_DEVICE:  # the common case, without building a device set per call
+            for d in sh.device_set:
+                return d
         try:
             devs = x.devices()
         except Exception:

@@ -101,9 +101,15 @@ class Precision:
 
 
 def cast_operands(
-    tape: Tape, ids: Sequence[NodeId], targets: Sequence[np.dtype | None], requires_grad: bool = True
+    tape: Tape,
+    ids: Sequence[NodeId],
+    targets: Sequence[np.dtype | None],
+    requires_grad: bool = True,
+    lazy: bool = False,
 ) -> tuple[Tape, list[NodeId]]:
     """Record an ``astype`` node for each operand with a target dtype; returns the new tape and the ids to use.
+
+    ``lazy=True`` records them without computing (a lazy session's pending nodes).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> t, x = tfl.leaf(tfl.Tape.empty(), jnp.ones(2), requires_grad=True)
@@ -118,7 +124,7 @@ def cast_operands(
             entry = check_op("astype", {"dtype": dt}, (nd.spec,))
             if isinstance(entry, str):
                 raise TapeError(entry)
-            tape, r = append_op(tape, "astype", entry, (i,), [nd], requires_grad)
+            tape, r = append_op(tape, "astype", entry, (i,), [nd], requires_grad, lazy)
             if isinstance(r, Err):
                 raise TapeError(r.error)
             i = r.value

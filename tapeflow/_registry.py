@@ -104,7 +104,13 @@ def fmt_spec(spec: Spec) -> str:
 
 def is_float(dtype: np.dtype) -> bool:
     """Whether values of ``dtype`` can carry gradients (floating or exact rational)."""
-    return dtype == OBJECT or jnp.issubdtype(dtype, jnp.inexact)
+    got = _IS_FLOAT.get(dtype)
+    if got is None:
+        got = _IS_FLOAT[dtype] = dtype == OBJECT or bool(jnp.issubdtype(dtype, jnp.inexact))
+    return got
+
+
+_IS_FLOAT: dict[np.dtype, bool] = {}
 
 
 @dataclasses.dataclass(eq=False)

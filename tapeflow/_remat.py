@@ -93,7 +93,7 @@ class _BlockSession(Session):
     def __init__(
         self, device: jax.Device | None, given: dict[Storage, Array] | None, key: PRNGKey | None, grad_enabled: bool
     ) -> None:
-        super().__init__(device, grad_enabled=grad_enabled, rng_key=key, check_same_thread=False)
+        super().__init__(device, grad_enabled=grad_enabled, rng_key=key, check_same_thread=False, lazy=False)
         self.given = given
         self.reads: dict[Storage, Param] = {}  # the record to use per storage: its first trainable one, else its first
         self.missing: list[Storage] = []

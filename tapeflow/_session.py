@@ -34,22 +34,26 @@ import numpy as np
 
 from . import _registry as R
 from . import _treescope
-from ._backward import Hook, backward_graph, run_hooks
+from ._backward import Hook, backward_graph, root_and_seed, run_hooks
 from ._backward import backward as _tape_backward
 from ._device import default_device, resolve_device
+from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._jvp import jvp_keys
+from ._lazy import LazyGrads, LazyRecording, materialize
 from ._params import COMPLEX_HINT, Param, RationalFallbackWarning, Storage, ValuePolicy
 from ._precision import Precision, cast_operands
 from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
 from ._result import Err, TapeError
 from ._state import StateLog, StateWrites
-from ._tape import Node, Tape, append_op, check_op, leaf
-from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
+from ._tape import PENDING, Node, Tape, append_op, check_op, leaf
+from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
 __all__ = ["RationalFallbackWarning", "Session"]
 
+_BOOL = np.dtype(bool)
+_DEFAULTS = {"lazy": False}  # what Session(lazy=None) means (the test suite runs files under both)
+_JAX_ARRAY = type(jnp.zeros(()))  # the concrete jax.Array class: its shape is a tuple, its dtype a NumPy dtype
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
@@ -59,7 +63,7 @@ def _next_owner() -> int:
         return next(_owner_counter)
 
 
-class Session(ValuePolicy, RandomDraws, StateWrites):
+class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
     """An eager recording context: one tape, handles, parameters, RNG and a device.
 
     Parameters
@@ -89,6 +93,12 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         Mixed precision (e.g. ``jnp.bfloat16``): parameters keep their dtype and
         each op's float operands are cast (recorded ``astype`` nodes) to this
         dtype, losses and reductions to float32; see :mod:`tapeflow._precision`.
+    lazy:
+        True records ops without running them: values are computed when read,
+        and a backward plus an optimizer step run as one compiled program per
+        step, cached by the recording's structure (:mod:`tapeflow._lazy`).
+        Errors are still raised at record time. Exact-rational ops run eagerly.
+        None (default): False.
 
     Examples
     --------
@@ -113,6 +123,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         rng_key: PRNGKey | None = None,
         check_same_thread: bool = True,
         compute_dtype: DTypeLike | None = None,
+        lazy: bool | None = None,
     ) -> None:
         self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = resolve_device(device) if device is not None else default_device()
@@ -139,6 +150,9 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         self._constants: dict[tuple[Any, ...], Array] = {}
         self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
         self._state_log = StateLog()  # assign_state's writes in this recording
+        self._lazy = LazyRecording() if (_DEFAULTS["lazy"] if lazy is None else lazy) else None  # a lazy recording
+        # a use of a Param records its storage's value as it is (no overrides, no subclass reading it differently)
+        self._direct_params = param_values is None and type(self)._param_value is Session._param_value
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -178,9 +192,28 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         return tuple(self._unlisted)
 
     @property
+    def lazy(self) -> bool:
+        """Whether this session records lazily (``Session(lazy=True)``)."""
+        return self._lazy is not None
+
+    @property
     def tape(self) -> Tape:
-        """The current tape value (immutable; a new one after every op)."""
+        """The current tape value (immutable; a new one after every op; a lazy session computes its values first)."""
+        self.materialize()
         return self._tape
+
+    def materialize(self) -> None:
+        """Compute every value a lazy session has recorded but not computed (one compiled program); else nothing.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session(lazy=True)
+        >>> y = s.input(jnp.ones(2)) * 2.0
+        >>> s.materialize(); s._tape[y.id].value.tolist()
+        [2.0, 2.0]
+        """
+        if self._lazy is not None:
+            self.check_thread()
+            materialize(self._lazy, self._tape)
 
     def __repr__(self) -> str:
         kind = "" if self.grad_enabled else ", inference"
@@ -244,14 +277,23 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         check_handle(h, self)
 
     def node(self, h: Tensor) -> Node:
-        """The recorded node behind the live handle ``h`` (raises for a stale or foreign one)."""
+        """The recorded node behind the live handle ``h`` (raises for a stale or foreign one), with its value."""
         check_handle(h, self)
-        return self._tape[h.id]
+        nd = self._tape[h.id]
+        if nd.value is PENDING:
+            materialize(self._lazy, self._tape)  # type: ignore[arg-type]  # only a lazy session has pending nodes
+        return nd
 
     # -- leaves ----------------------------------------------------------------
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
         self.check_thread()
+        lz = self._lazy
+        if lz is not None:
+            if t._n < len(lz.keys):
+                lz.truncate(t._n)  # a failed backward put an older tape back
+            elif t._n and t._buf.nodes[t._n - 1].dtype is R.OBJECT:
+                lz.exact = True  # exact rationals: backward runs eagerly
         self._tape = t
         note_recorded(self._ref)
 
@@ -335,63 +377,74 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         [0.0, 2.0, 4.0]
         """
         self.check_thread()
+        owner, gen = self._owner, self._generation
         for o in operands:
-            if type(o) is Tensor:
-                check_handle(o, self)
+            if type(o) is Tensor and (o._owner != owner or o._generation != gen):
+                check_handle(o, self)  # raises: foreign before stale, left to right
         nodes = self._tape._buf.nodes
         plan: list[NodeId | Param | Array] = []
         specs: list[R.Spec] = []
-        ref_dtype = None  # dtype given to Python-number operands
-        for o in operands:
-            if isinstance(o, (Tensor, Param)) and o.dtype != np.dtype(bool):
-                ref_dtype = o.dtype
-                break
+        ref_dtype: np.dtype | None = None  # dtype given to Python-number operands (set on first need)
         for o in operands:
             if type(o) is Tensor:
-                nd = nodes[o.id]
                 plan.append(o.id)
-                specs.append(nd.spec)
+                specs.append(nodes[o.id].spec)
             elif isinstance(o, Param):
                 plan.append(o)
                 specs.append((o.shape, o.dtype))
             else:
+                if ref_dtype is None:
+                    for x in operands:
+                        if isinstance(x, (Tensor, Param)) and x.dtype != _BOOL:
+                            ref_dtype = x.dtype
+                            break
                 v = self._constant(o, ref_dtype, opname)
                 plan.append(v)
-                specs.append((tuple(np.shape(v)), np.dtype(v.dtype)))
+                specs.append((v.shape, v.dtype) if type(v) is _JAX_ARRAY else (tuple(np.shape(v)), np.dtype(v.dtype)))
         casts = self.precision.targets(opname, specs) if self.precision is not None else None
         if casts is not None:  # the op is checked with the dtypes it will compute in
             specs = [(sh, dt if c is None else c) for (sh, dt), c in zip(specs, casts)]
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
+        lazy = self._lazy is not None
+        if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
+            lazy = False
+            self.materialize()
         # leaves and the op on a local tape value; commit only on success
         t = self._tape
         ids: list[NodeId] = []
         new_params: list[tuple[NodeId, Param]] = []
+        tracked = self.grad_enabled and not self._no_grad
         for p in plan:
             if type(p) is int:
                 ids.append(p)
             elif isinstance(p, Param):
-                t, i = leaf(
-                    t, self._param_value(p), requires_grad=p.trainable and self.grad_enabled and not self._no_grad
-                )
+                st = p.storage
+                if self._direct_params and p._bound is None and st.dtype is not R.OBJECT:
+                    # the storage's value on this device: placed already, so the leaf is made directly
+                    rg = p.trainable and tracked and R.is_float(st.dtype)
+                    t, i = t._append(Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype)), t._n
+                else:
+                    t, i = leaf(t, self._param_value(p), requires_grad=p.trainable and tracked)
                 new_params.append((i, p))
                 ids.append(i)
             else:
                 t, i = leaf(t, p, requires_grad=False)
                 ids.append(i)
         if casts is not None:
-            t, ids = cast_operands(t, ids, casts, not self._no_grad)
+            t, ids = cast_operands(t, ids, casts, not self._no_grad, lazy)
         all_nodes = t._buf.nodes
-        t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids], not self._no_grad)
+        t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids], not self._no_grad, lazy)
         if isinstance(r, Err):
             raise TapeError(r.error)
         self._commit(t)
         for i, p in new_params:
             self._register_param_leaf(i, p, p.storage)
         if opname not in self._backend_seen:
-            self._audit(opname, t[r.value].dtype)
-        return self._handle(r.value)
+            self._audit(opname, entry.dtype)
+        nd = t._buf.nodes[r.value]
+        return Tensor(self, owner, gen, r.value, nd.shape, nd.dtype)
 
     def _audit(self, opname: str, dtype: np.dtype) -> None:
         self._backend_seen.add(opname)
@@ -458,11 +511,23 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         hooks: dict[NodeId, list[Any]] = {
             i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._hooks.items() if fns
         }
+        lazy = self._lazy is not None and not (create_graph or hooks or self._lazy.exact)
+        if not lazy:
+            self.materialize()  # the sweep below reads every value
+        by_leaf: dict[NodeId, Any] | LazyGrads
         try:
-            if create_graph:
-                t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
+            if lazy:  # computed on first read, or fused into the optimizer step that consumes them
+                checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
+                by_leaf = LazyGrads(self._lazy, old, loss.id, None if seed is None else checked, ids)  # type: ignore[arg-type]
+                by_leaf.check()
+            elif create_graph:
+                lz, self._lazy = self._lazy, None  # recorded eagerly: the sweep and the hooks read values
+                try:
+                    t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
+                finally:
+                    self._lazy = lz
                 self._commit(t)
-                by_leaf: dict[NodeId, Any] = {i: self._handle(j) for i, j in by_id.items()}
+                by_leaf = {i: self._handle(j) for i, j in by_id.items()}
             else:
                 by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
             grads = Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
@@ -475,64 +540,6 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
             self._commit(old)  # hooks may have recorded on the tape: none of it happened
             raise
         return grads
-
-    def register_hook(self, h: Tensor, fn: Hook) -> RemovableHandle:
-        """Call ``fn(cotangent)`` when a backward reaches ``h``; see :meth:`Tensor.register_hook`."""
-        check_handle(h, self)
-        if not callable(fn):
-            raise TypeError(f"register_hook expects a function of the cotangent, got {type(fn).__name__}")
-        return RemovableHandle(self._hooks.setdefault(h.id, []), fn)
-
-    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Any:
-        """``fn`` as the sweep calls it: arrays in, checked arrays out; or, recording, ``(tape, id)`` in and out."""
-        nd = self._tape[i]
-        if not graph:
-            return lambda g: run_hooks([fn], g, f"node #{i} ({nd.op or 'leaf'})")
-
-        def call(t: Tape, gid: NodeId) -> tuple[Tape, NodeId]:
-            self._commit(t)  # the hook records on the tape the sweep has built so far
-            r = run_hooks([fn], self._handle(gid), f"node #{i} ({nd.op or 'leaf'})")
-            if isinstance(r, Tensor):
-                check_handle(r, self)
-                return self._tape, r.id
-            return self._tape, gid
-
-        return call
-
-    @contextlib.contextmanager
-    def no_grad(self) -> Iterator[Session]:
-        """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
-
-        >>> import jax.numpy as jnp, tapeflow as tfl
-        >>> with tfl.Session() as s:
-        ...     w = s.input(jnp.ones(2), requires_grad=True)
-        ...     with s.no_grad():
-        ...         frozen = w * 2.0
-        ...     frozen.requires_grad, (w * 2.0).requires_grad
-        (False, True)
-        """
-        self.check_thread()
-        self._no_grad += 1
-        try:
-            yield self
-        finally:
-            self._no_grad -= 1
-
-    def jvp(self, output: Tensor, tangents: Mapping[Tensor | Param, ArrayLike]) -> Array:
-        """The tangent of ``output`` given tangents of live handles and of Params (a Param's reaches all its uses).
-
-        >>> import jax.numpy as jnp, tapeflow as tfl
-        >>> s, w = tfl.Session(), tfl.Param(jnp.array([1.0, 2.0]))
-        >>> x = s.input(jnp.array([3.0, 4.0]))
-        >>> float(s.jvp(tfl.sum(x * w), {x: jnp.ones(2), w: jnp.array([1.0, 0.0])}))
-        6.0
-        """
-        for k in (output, *tangents):
-            if isinstance(k, Tensor):
-                check_handle(k, self)
-            elif not (isinstance(k, Param) and isinstance(output, Tensor)):  # output: a Tensor, keys: also Params
-                raise TypeError(f"Session.jvp takes a Tensor output and Tensor or Param keys, got {type(k).__name__}")
-        return jvp_keys(self._tape, output.id, tangents, self._storage_by_leaf)
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
@@ -550,4 +557,6 @@ class Session(ValuePolicy, RandomDraws, StateWrites):
         self._storage_by_leaf = {}
         self._hooks = {}
         self._state_log = StateLog()
+        if self._lazy is not None:
+            self._lazy = LazyRecording()  # pending values nobody read are dropped with the tape
         self._generation += 1

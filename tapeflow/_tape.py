@@ -33,7 +33,19 @@ from ._device import resolve_device
 from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
 
-__all__ = ["Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "node_id", "record"]
+__all__ = ["PENDING", "Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "node_id", "record"]
+
+
+class _Pending:
+    """The value of a node a lazy session recorded but has not computed yet (see ``tapeflow._lazy``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<pending>"
+
+
+PENDING: Any = _Pending()  # one marker object: ``node.value is PENDING``
 
 
 class Node:
@@ -76,6 +88,7 @@ class Node:
 
 
 _new_object = object.__new__
+_ONE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
 class _Buffer:
@@ -248,6 +261,9 @@ def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
         return value
     if device is not None:
         if isinstance(value, jax.Array):
+            sh = value.sharding
+            if type(sh) is _ONE_DEVICE and device in sh.device_set:  # the common case, cheaply
+                return value
             devs = value.devices()
             if devs == {device} or len(devs) > 1:  # already there, or sharded: keep its sharding
                 return value
@@ -364,17 +380,27 @@ def record(tape: Tape, op: str, inputs: Sequence[int], **attrs: AttrValue) -> tu
 
 
 def append_op(
-    tape: Tape, op: str, entry: R.FwdEntry, ids: tuple[int, ...], ins: list[Node], requires_grad: bool = True
+    tape: Tape,
+    op: str,
+    entry: R.FwdEntry,
+    ids: tuple[int, ...],
+    ins: list[Node],
+    requires_grad: bool = True,
+    lazy: bool = False,
 ) -> tuple[Tape, Ok[int] | Err]:
     """Run a checked kernel on the nodes ``ins`` (ids ``ids``) and append its output node.
 
     ``entry`` comes from :func:`check_op` for exactly these operand specs. Only a
     failure of the kernel itself is left to report, as an ``Err`` with ``tape``
     unchanged. ``requires_grad=False`` records the node untracked (``no_grad``).
+    ``lazy=True`` runs no kernel: the node's value is :data:`PENDING` until a lazy
+    session computes it (its shape and dtype are known from the check).
     """
     n = tape._n
     try:
-        if len(ins) == 2:
+        if lazy:
+            out = PENDING
+        elif len(ins) == 2:
             out = entry.fn(ins[0].value, ins[1].value)
         elif len(ins) == 1:
             out = entry.fn(ins[0].value)
@@ -463,6 +489,9 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
         except TypeError as e:
             return f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
     else:
+        hit = _fwd_hit((op, (), specs))
+        if hit is not None and not hit.runtime:
+            return hit
         akey = ()
     entry = R.get_fwd(op, akey, specs)
     if type(entry) is str:

@@ -311,8 +311,8 @@ class Tensor(TensorOps):
 
     @property
     def node(self) -> Node:
-        """The recorded :class:`~tapeflow.Node` this handle points at."""
-        return check_handle(self, self._session).tape[self.id]
+        """The recorded :class:`~tapeflow.Node` this handle points at (a lazy session computes its value first)."""
+        return check_handle(self, self._session).node(self)
 
     @property
     def value(self) -> Array:
@@ -339,11 +339,11 @@ class Tensor(TensorOps):
 
     @property
     def op(self) -> str | None:
-        return self.node.op
+        return check_handle(self, self._session)._tape[self.id].op  # no value needed: a lazy node stays pending
 
     @property
     def requires_grad(self) -> bool:
-        return bool(self.node.requires_grad)
+        return bool(check_handle(self, self._session)._tape[self.id].requires_grad)
 
     def numpy(self) -> np.ndarray:
         return np.asarray(self.value)
@@ -385,7 +385,7 @@ class Tensor(TensorOps):
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, {state})"
         if s.generation != self._generation:
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, stale)"
-        nd = s.tape[self.id]
+        nd = s._tape[self.id]  # no value shown: a lazy node stays pending
         op = "leaf" if nd.op is None else nd.op
         grad = ", requires_grad" if nd.requires_grad else ""
         return f"Tensor({spec}, op={op}, id={self.id}, gen={self._generation}{grad})"

@@ -35,3 +35,51 @@ def _register_hypothesis_profiles() -> None:
 
 
 _register_hypothesis_profiles()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "lazy"])
+def lazy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test twice: with eager sessions, then with every ``tfl.Session()`` lazy (``Session(lazy=True)``).
+
+    Test modules opt in with ``pytestmark = pytest.mark.usefixtures("lazy_mode")``; a session
+    created with an explicit ``lazy=`` keeps it.
+    """
+    from tapeflow import _session
+
+    monkeypatch.setitem(_session._DEFAULTS, "lazy", request.param)
+    return bool(request.param)
+
+
+def _lazy_everywhere() -> None:
+    """``TAPEFLOW_TEST_LAZY=1 python -m pytest`` makes lazy the default of every session in the suite."""
+    import os
+
+    if os.environ.get("TAPEFLOW_TEST_LAZY") == "1":
+        from tapeflow import _session
+
+        _session._DEFAULTS["lazy"] = True
+
+
+_lazy_everywhere()
+
+
+@pytest.fixture
+def small_gc_heap():
+    """Hide the objects earlier tests left (compiled programs, caches) from the cyclic garbage collector.
+
+    Late in the suite the heap holds millions of long-lived objects; a test that allocates a
+    lot (the stateful fuzzer, the property tests) then spends most of its time in full
+    collections that walk them all (3.5x slower than the same test run alone). Frozen objects
+    are skipped by the collector until the test ends.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

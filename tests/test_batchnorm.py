@@ -129,7 +129,7 @@ def tapeflow_run(kind, path):
             assert bn.eval() is bn
         xp.value = jnp.asarray(xs[k])
         if step is None:
-            with tfl.Session() as s:
+            with tfl.Session(lazy=path == "lazy") as s:
                 loss, y = loss_fn(s, jnp.asarray(rs[k]))
                 y = np.asarray(y.value)
                 g = s.backward(loss)
@@ -170,7 +170,7 @@ def runs():
     return get
 
 
-@pytest.mark.parametrize("path", ["eager", "train_step"])
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_outputs_gradients_and_running_stats_equal_torch(runs, kind, path):
     ref, got = runs(kind, "torch"), runs(kind, path)
@@ -285,11 +285,11 @@ def net_loss(net):
 
 
 class Eager:
-    def __init__(self, loss_fn, opt):
-        self.loss_fn, self.opt = loss_fn, opt
+    def __init__(self, loss_fn, opt, lazy=False):
+        self.loss_fn, self.opt, self.lazy = loss_fn, opt, lazy
 
     def __call__(self, x):
-        with tfl.Session() as s:
+        with tfl.Session(lazy=self.lazy) as s:
             loss = self.loss_fn(s, x)
             self.opt.step(s.backward(loss))
 
@@ -309,7 +309,7 @@ X_GOOD = np.linspace(-2.0, 3.0, 24, dtype=F32).reshape(8, 3)
 
 
 def make_step(path, net, opt):
-    return tfl.train_step(net_loss(net), opt) if path == "train_step" else Eager(net_loss(net), opt)
+    return tfl.train_step(net_loss(net), opt) if path == "train_step" else Eager(net_loss(net), opt, path == "lazy")
 
 
 def good_run(path, n_steps):
@@ -323,7 +323,7 @@ def good_run(path, n_steps):
 
 
 @pytest.mark.parametrize("failure", ["non-finite", "exception"])
-@pytest.mark.parametrize("path", ["eager", "train_step"])
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
 def test_a_failed_step_leaves_parameters_and_running_stats_unchanged(path, failure):
     net = Net()
     switch = Switch()

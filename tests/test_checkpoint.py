@@ -25,6 +25,8 @@ import tapeflow._checkpoint as ckpt
 from tapeflow import CheckpointError
 from tapeflow._checkpoint import CheckpointMeta, LeafEntry, OptimizerEntry, ParamEntry, SessionEntry, StorageEntry
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
+
 F32 = np.float32
 
 # A restore that aborts an orbax read (damaged array data) can make TensorStore report, from a

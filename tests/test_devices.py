@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     r"""
     import jax, jax.numpy as jnp, numpy as np
@@ -90,13 +92,14 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_non_default_cpu_device_in_subprocess():
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_non_default_cpu_device_in_subprocess(lazy):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_ENABLE_X64", None)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", _lazy_default(lazy) + SCRIPT],
         env=env,
         capture_output=True,
         text=True,
@@ -104,6 +107,11 @@ def test_non_default_cpu_device_in_subprocess():
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "DEVICES-OK" in proc.stdout
+
+
+def _lazy_default(lazy: bool) -> str:
+    """A preamble that makes every ``tfl.Session()`` of the script lazy (or leaves them eager)."""
+    return f"import tapeflow._session\ntapeflow._session._DEFAULTS['lazy'] = {lazy}\n"
 
 
 SHARDED_SCRIPT = textwrap.dedent(
@@ -123,10 +131,12 @@ SHARDED_SCRIPT = textwrap.dedent(
 )
 
 
-def test_sharded_input_keeps_its_sharding_in_an_eager_session():
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_sharded_input_keeps_its_sharding_in_a_session(lazy):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    script = _lazy_default(lazy) + SHARDED_SCRIPT
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "SHARDED-OK" in proc.stdout

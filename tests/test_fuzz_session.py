@@ -1443,3 +1443,4 @@ else:
 
 TestSessionFuzz = SessionFuzz.TestCase
 TestSessionFuzz.settings = _SETTINGS
+TestSessionFuzz = pytest.mark.usefixtures("small_gc_heap")(TestSessionFuzz)

@@ -313,6 +313,8 @@ def test_eviction_is_least_recently_used_counted_and_recompiles_correctly():
         "jvp": 0,
         "fwd_jit": 0,
         "random": 0,
+        "lazy": 0,
+        "lazy_checked": 0,
         "max_size": 3,
         "evictions": 0,
     }

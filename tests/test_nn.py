@@ -13,6 +13,8 @@ import pytest
 import tapeflow as tfl
 from tapeflow import nn
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
+
 F64 = jnp.float64
 
 

@@ -30,6 +30,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -305,6 +306,7 @@ def run_plain(instrs: list[Any], *xs: Any) -> Any:
     return jnp.sum(env[-1])
 
 
+@pytest.mark.usefixtures("small_gc_heap")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs())
 def test_backward_equals_jax_grad(prog: Any) -> None:

@@ -22,6 +22,8 @@ from _helpers import _arr, _assert_unchanged, _state, close
 import tapeflow as tfl
 from tapeflow import TapeError
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
+
 # =========================================================================== session fields
 
 

@@ -13,6 +13,8 @@ from _helpers import _arr, close
 import tapeflow as tfl
 from tapeflow import TapeError
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
+
 # =========================================================================== randomness
 
 

@@ -16,6 +16,8 @@ from _helpers import _assert_unchanged, _state
 import tapeflow as tfl
 from tapeflow import TapeError
 
+pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
+
 # =========================================================================== exact rationals
 
 

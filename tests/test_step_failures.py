@@ -55,29 +55,32 @@ X = jnp.asarray(np.arange(12, dtype=F32).reshape(4, 3) / 10)
 
 
 class Eager:
-    """``opt.step(s.backward(loss))`` in a fresh session per call."""
+    """``opt.step(s.backward(loss))`` in a fresh session per call (``lazy``: a lazy one, the loss read after
+    the step, so forward, backward and update run as one fused program)."""
 
-    def __init__(self, opt, W, b):
-        self.opt, self.W, self.b = opt, W, b
+    def __init__(self, opt, W, b, lazy=False):
+        self.opt, self.W, self.b, self.lazy = opt, W, b, lazy
 
     def __call__(self, x):
-        with tfl.Session() as s:
+        with tfl.Session(lazy=self.lazy) as s:
             loss = loss_fn(s, x, self.W, self.b)
-            value = loss.value
+            value = None if self.lazy else loss.value
             self.opt.step(s.backward(loss))
-            return value
+            return loss.value if self.lazy else value
 
 
 def compiled(opt, W, b):
     return tfl.train_step(lambda s, x: loss_fn(s, x, W, b), opt)
 
 
-@pytest.fixture(params=["eager", "train_step"])
+@pytest.fixture(params=["eager", "lazy", "train_step"])
 def make_step(request):
-    """Builds the same training step on the eager path or compiled with ``train_step``."""
+    """Builds the same training step on the eager path, in a lazy session, or compiled with ``train_step``."""
 
     def build(opt, W, b):
-        return Eager(opt, W, b) if request.param == "eager" else compiled(opt, W, b)
+        if request.param == "train_step":
+            return compiled(opt, W, b)
+        return Eager(opt, W, b, lazy=request.param == "lazy")
 
     return build
 

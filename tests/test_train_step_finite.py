@@ -28,8 +28,8 @@ def _loss(w, v):
     return loss_fn
 
 
-def _eager_step(w, v, opt, x):
-    with tfl.Session() as s:
+def _eager_step(w, v, opt, x, lazy=False):
+    with tfl.Session(lazy=lazy) as s:
         loss = _loss(w, v)(s, s.input(x))
         opt.step(s.backward(loss))
 
@@ -40,10 +40,14 @@ def _compiled_step(w, v, opt, x, step=None):
     return step
 
 
-@pytest.mark.parametrize("path", ["eager", "train_step"])
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
 def test_non_finite_gradient_updates_nothing_and_names_the_parameter(path):
     w, v, opt = _setup()
-    run = _eager_step if path == "eager" else _compiled_step
+    run = {
+        "eager": _eager_step,
+        "lazy": lambda w, v, opt, x: _eager_step(w, v, opt, x, lazy=True),
+        "train_step": _compiled_step,
+    }[path]
     run(w, v, opt, jnp.array([1.0, 1.0]))  # a good step first
     before = (
         np.asarray(w.value),
