@@ -46,15 +46,13 @@ from . import _registry as R
 from ._backward import backward as tape_backward
 from ._kernels import KernelCache
 from ._result import TapeError
-from ._tape import PENDING, Node, Tape, _Buffer
+from ._tape import PENDING, Tape, with_values
 from ._typing import Array, NodeId, OptState
 
 __all__ = ["LazyGrads", "LazyRecording", "materialize"]
 
-_PROGRAMS = KernelCache("lazy", opaque=True)
-_CHECKED = KernelCache(
-    "lazy_checked", opaque=True
-)  # structures whose backward was traced (shapes only)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
+_PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
+_CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
 _META_IDS: dict[tuple[Any, ...], int] = {}  # node meta -> small int, so a structure key is a tuple of ints
 _META_LIMIT = 1 << 20
 _intern_lock = threading.Lock()
@@ -69,6 +67,7 @@ def _intern(meta: tuple[Any, ...]) -> int:
             if len(_META_IDS) >= _META_LIMIT:  # bounded: start over (old keys then simply miss)
                 _META_IDS.clear()
                 _PROGRAMS.clear()
+                _CHECKED.clear()
             i = _META_IDS.setdefault(meta, len(_META_IDS))
     return i
 
@@ -113,27 +112,24 @@ def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
 def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
     """Inside a trace: a tape like ``tape`` whose pending nodes are computed from ``given`` (the other values)."""
     src = tape._buf.nodes
-    out: list[Node] = []
+    values: list[Array] = []
     it = iter(given)
     for i in range(tape._n):
         nd = src[i]
         if i in pending:
             assert nd.op is not None
-            entry = R.get_fwd(nd.op, nd.attrs, tuple([out[p].spec for p in nd.parents]))
+            entry = R.get_fwd(nd.op, nd.attrs, tuple([src[p].spec for p in nd.parents]))
             if isinstance(entry, str):  # the op was unregistered or redefined since it was recorded
                 raise TapeError(f"lazy session: cannot compute node #{i}: {nd.op}: {entry}")
-            v = entry.fn(*[out[p].value for p in nd.parents])
+            values.append(entry.fn(*[values[p] for p in nd.parents]))
         else:
-            v = next(it)
-        out.append(Node(nd.op, nd.attrs, nd.parents, v, nd.requires_grad, nd.shape, nd.dtype, nd.spec))
-    return Tape._make(_Buffer(out), tape._n, tape.device)
+            values.append(next(it))
+    return with_values(tape, values)
 
 
 def _skeleton(tape: Tape) -> Tape:
     """``tape`` without values (a program keeps only the structure, never the first call's arrays)."""
-    src = tape._buf.nodes
-    nodes = [Node(nd.op, nd.attrs, nd.parents, None, nd.requires_grad, nd.shape, nd.dtype, nd.spec) for nd in src]
-    return Tape._make(_Buffer(nodes[: tape._n]), tape._n, tape.device)
+    return with_values(tape, [None] * tape._n)
 
 
 def _program(key: tuple[Any, ...], build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:

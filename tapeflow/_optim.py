@@ -473,7 +473,8 @@ class Optimizer:
         grads.pending = None  # consumed by this step, read or not
         try:
             storages = self._slot_storages
-            values = [st.read(_device_of(nodes[mine[0].leaves[0]].value)) for st in storages]
+            device = _device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
+            values = [st.read(device) for st in storages]
             exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
             new_vals, new_state, flags = lazy.step(leaves, self._update_fn(used), values, self.state, check_finite)
             if flags is not None and not bool(jnp.all(flags)):

@@ -219,6 +219,8 @@ class Storage:
         if device is None:
             return self._current  # read_current()
         m = self._mirror
+        if m is None and self._host_current and _device_of(self._host) == device:
+            return self._host  # the common case: the value lives on the device asked for
         if not self._host_current and _device_of(m) in (None, device):
             return m
         h = self._host
@@ -258,14 +260,16 @@ class Storage:
 
 
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding
+_ARRAY_IMPL = type(jnp.zeros(()))  # the concrete jax.Array class
 
 
 def _device_of(x: Array) -> jax.Device | None:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        sh = getattr(x, "sharding", None)
-        if type(sh) is _ONE_DEVICE:  # the common case, without building a device set per call
+    if type(x) is _ARRAY_IMPL:  # the common case, without an ABC check or a device set per call
+        sh = x.sharding
+        if type(sh) is _ONE_DEVICE:
             for d in sh.device_set:
                 return d
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         try:
             devs = x.devices()
         except Exception:

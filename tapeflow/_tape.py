@@ -33,7 +33,18 @@ from ._device import resolve_device
 from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
 
-__all__ = ["PENDING", "Node", "Tape", "append_op", "check_op", "keep_tape_on_error", "leaf", "node_id", "record"]
+__all__ = [
+    "PENDING",
+    "Node",
+    "Tape",
+    "append_op",
+    "check_op",
+    "keep_tape_on_error",
+    "leaf",
+    "node_id",
+    "record",
+    "with_values",
+]
 
 
 class _Pending:
@@ -232,6 +243,25 @@ class Tape:
             )
         rows.append("</table>")
         return "\n".join(rows)
+
+
+def with_values(tape: Tape, values: Sequence[Any]) -> Tape:
+    """A tape with ``tape``'s nodes (ops, attributes, parents, specs) holding ``values`` instead.
+
+    A lazy session's programs rebuild a recording this way: with ``None`` values
+    (the structure they keep) and with the values they trace.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.ones(2))
+    >>> with_values(t, [jnp.zeros(2)])[0].value.tolist()
+    [0.0, 0.0]
+    """
+    src = tape._buf.nodes
+    nodes = [
+        Node(nd.op, nd.attrs, nd.parents, v, nd.requires_grad, nd.shape, nd.dtype, nd.spec)
+        for nd, v in zip(src[: tape._n], values, strict=True)
+    ]
+    return Tape._make(_Buffer(nodes), tape._n, tape.device)
 
 
 def _flatten(t: Tape) -> tuple[list[Any], tuple[Any, ...]]:
