@@ -46,6 +46,22 @@ def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_
     return best
 
 
+def interleaved(calls: list[Callable[[], Any]], k: int, n: int) -> list[float]:
+    """Best time per inner iteration of each of ``calls`` (each runs ``n`` iterations per call).
+
+    Every call is made once first (compilation), then the ``k`` repeats are
+    interleaved (call 1, call 2, ..., call 1, ...) so all of them share the
+    machine's noise; returns the best repeat of each, divided by ``n``.
+    """
+    for call in calls:
+        call()
+    best = [float("inf")] * len(calls)
+    for _ in range(k):
+        for i, call in enumerate(calls):
+            best[i] = min(best[i], min_of_k(call, 1, 1, warmup=0) / n)
+    return best
+
+
 def fmt(t: float) -> str:
     """A duration in seconds, as ``s``, ``ms`` or ``us`` in a fixed-width field."""
     if t >= 1.0:

@@ -58,7 +58,7 @@ if "--single-thread" in sys.argv:
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import Results, add_json_arg, fmt, min_of_k, verdict
+from _timing import Results, add_json_arg, fmt, interleaved, min_of_k, verdict
 
 import tapeflow as tfl
 
@@ -109,13 +109,7 @@ def bench_per_op(n: int, k: int) -> list[tuple[str, float, float]]:
                 t, r = tfl.record(t, op, ins)
             t.value(r.value).block_until_ready()
 
-        # warm up both (compile) before timing; interleave repeats to share the noise
-        run_jit()
-        run_tape()
-        tj = tt = float("inf")
-        for _ in range(k):
-            tj = min(tj, min_of_k(run_jit, 1, 1, warmup=0) / n)
-            tt = min(tt, min_of_k(run_tape, 1, 1, warmup=0) / n)
+        tj, tt = interleaved([run_jit, run_tape], k, n)  # compiled first, repeats interleaved
         rows.append((label, tj, tt))
     return rows
 
@@ -224,14 +218,7 @@ def bench_mlp(n: int, k: int) -> tuple[float, float, float, float, str]:
             out = vgj(params, x)
         jax.block_until_ready(out)
 
-    run_tape()
-    run_plain()
-    run_jitted()
-    tt = tp = tj = float("inf")
-    for _ in range(k):
-        tt = min(tt, min_of_k(run_tape, 1, 1, warmup=0) / n)
-        tp = min(tp, min_of_k(run_plain, 1, 1, warmup=0) / n)
-        tj = min(tj, min_of_k(run_jitted, 1, 1, warmup=0) / n)
+    tt, tp, tj = interleaved([run_tape, run_plain, run_jitted], k, n)
     return tt, tp, tj, err, loss_name
 
 
@@ -302,12 +289,7 @@ def bench_lift(n: int, k: int) -> list[tuple[str, float, float]]:
         ("session: f(x)", on_session(tfl.tanh), on_session(lifted)),
         ("pure core: record", on_tape("tanh"), on_tape("bench_lifted_tanh")),
     ):
-        builtin()
-        lift_run()
-        tb = tl = float("inf")
-        for _ in range(k):  # interleaved, to share the noise
-            tb = min(tb, min_of_k(builtin, 1, 1, warmup=0) / n)
-            tl = min(tl, min_of_k(lift_run, 1, 1, warmup=0) / n)
+        tb, tl = interleaved([builtin, lift_run], k, n)
         rows.append((label, tb, tl))
     return rows
 

@@ -171,7 +171,7 @@ class TiedAE(Model):
 
 
 class LMModel(Model):
-    name = "char LM (2x64, context 48)"
+    name = "char LM (2x64, context 48, batch 32)"
     overhead_bound = True
 
     def __init__(self) -> None:
@@ -245,8 +245,8 @@ class LMModel(Model):
 def models() -> list[Any]:
     return [
         MLP((784, 256, 256, 10), 64, TRAIN_MLP, False),
-        MLP((64, 128, 64, 10), 32, "MLP 64-128-64-10", True),
-        MLP((32,) * 9, 16, "MLP 8x32", True),
+        MLP((64, 128, 64, 10), 32, "MLP 64-128-64-10 (batch 32)", True),
+        MLP((32,) * 9, 16, "MLP 8x32 (batch 16)", True),
         TiedAE(),
         LMModel(),
     ]

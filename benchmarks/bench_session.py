@@ -48,7 +48,7 @@ if "--multithread" not in sys.argv:
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import Results, add_json_arg, fmt, min_of_k, verdict
+from _timing import Results, add_json_arg, fmt, interleaved, min_of_k, verdict
 
 import tapeflow as tfl
 
@@ -245,12 +245,7 @@ def bench_per_op(quick: bool, res: Results) -> None:
                     y = f(*xs)
                 y.value.block_until_ready()
 
-        run_jit()
-        run_session()
-        tj = ts = float("inf")
-        for _ in range(k):  # interleaved, to share the noise
-            tj = min(tj, min_of_k(run_jit, 1, 1, warmup=0) / n)
-            ts = min(ts, min_of_k(run_session, 1, 1, warmup=0) / n)
+        tj, ts = interleaved([run_jit, run_session], k, n)
         print(f"  {label:<26}{fmt(tj):>12}{fmt(ts):>12}{ts / tj:>8.2f}x{fmt(ts - tj):>12}")
         res.add("session_per_op", label, "jax_jit", tj, per="op")
         res.add("session_per_op", label, "session", ts, per="op", baseline="jax_jit")

@@ -400,7 +400,7 @@ def plot_train(runs: Sequence[Run], out_dir: Path) -> Path | None:
     ax.set_ylabel("time per training step (ms" + (", log scale)" if log else ")"))
     ref_names = sorted({label(r) for r in refs.values() if r})
     ax.set_title(
-        "Training step: forward, backward, Adam update (batch 64, float32)\n"
+        "Training step: forward, backward, Adam update (float32; batch 64 unless the model says otherwise)\n"
         f"ratio = time / {' or '.join(ref_names) or 'reference'}; lower is better",
         fontsize=9.5,
     )
