@@ -477,11 +477,14 @@ class Optimizer:
             values = [st.read(device) for st in storages]
             exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
             new_vals, new_state, flags = lazy.step(leaves, self._update_fn(used), values, self.state, check_finite)
-            if flags is not None and not bool(jnp.all(flags)):
-                bad = self.describe(int(np.argmin(np.asarray(flags))))
-                raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
-        finally:
-            grads.consume(mine)
+        except BaseException:
+            grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
+            raise
+        if flags is not None and not bool(jnp.all(flags)):
+            grads.pending = lazy  # as step's validation: refused before the update, the gradients stay readable
+            bad = self.describe(int(np.argmin(np.asarray(flags))))
+            raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
+        grads.consume(mine)
         with deferred_interrupts():
             self.install(new_vals, new_state, used, exact=exact)  # the program cast them to the slots' dtypes
             if log is not None:

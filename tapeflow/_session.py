@@ -208,8 +208,10 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         >>> import jax.numpy as jnp, tapeflow as tfl
         >>> s = tfl.Session(lazy=True)
         >>> y = s.input(jnp.ones(2)) * 2.0
-        >>> s.materialize(); s._tape[y.id].value.tolist()
-        [2.0, 2.0]
+        >>> z = y + 1.0
+        >>> s.materialize()  # one program computes y and z; reading them is then free
+        >>> y.value.tolist(), z.value.tolist()
+        ([2.0, 2.0], [3.0, 3.0])
         """
         if self._lazy is not None:
             self.check_thread()
@@ -421,7 +423,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                 ids.append(p)
             elif isinstance(p, Param):
                 st = p.storage
-                if self._direct_params and p._bound is None and st.dtype is not R.OBJECT:
+                if self._direct_params and not p.bound and st.dtype is not R.OBJECT:
                     # the storage's value on this device: placed already, so the leaf is made directly
                     rg = p.trainable and tracked and R.is_float(st.dtype)
                     t, i = t._append(Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype)), t._n
