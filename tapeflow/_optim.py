@@ -106,6 +106,7 @@ class Optimizer:
         firsts = [i for i, c in enumerate(self._layout) if c == i]
         self._slot_storages: tuple[Storage, ...] = tuple(storages[i] for i in firsts)
         self._slot_of_storage = {id(s): k for k, s in enumerate(self._slot_storages)}
+        self._slot_specs = [(st.shape, st.dtype) for st in self._slot_storages]  # what each slot's gradient must be
         self._slot_keys: list[SlotKey] = (
             [self._names[i] for i in firsts] if self._names is not None else list(range(len(firsts)))
         )
@@ -468,7 +469,9 @@ class Optimizer:
             return False
         nodes = lazy.tape._buf.nodes
         leaves = [None if g is None else g.leaves for g in groups]
-        self._validate([None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], False)  # specs
+        specs = self._slot_specs
+        if any(ls is not None and any(nodes[i].spec != specs[k] for i in ls) for k, ls in enumerate(leaves)):
+            self._validate([None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], False)  # raises
         used = tuple(ls is not None for ls in leaves)
         grads.pending = None  # consumed by this step, read or not
         try:
@@ -484,7 +487,7 @@ class Optimizer:
             grads.pending = lazy  # as step's validation: refused before the update, the gradients stay readable
             bad = self.describe(int(np.argmin(np.asarray(flags))))
             raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
-        grads.consume(mine)
+        grads.release()  # every storage group was this step's (consume(mine) would end in the same release)
         with deferred_interrupts():
             self.install(new_vals, new_state, used, exact=exact)  # the program cast them to the slots' dtypes
             if log is not None:

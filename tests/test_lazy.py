@@ -383,3 +383,19 @@ def test_a_redefined_user_op_is_not_served_by_an_old_program():
         assert run() == 6.0
     finally:
         unregister("lazy_doc_scale")
+
+
+def test_scalar_operands_are_arguments_and_scalar_attributes_are_keys():
+    s = tfl.Session(lazy=True)
+    x = np.array([0.1, 0.9], F32)
+
+    def run(scale, lo):
+        with s:
+            return tfl.clamp(s.input(x) * scale, lo=lo).value.tolist()
+
+    run(2.0, 0.5)
+    before = programs()
+    assert run(3.0, 0.5) == pytest.approx([0.5, 2.7])  # a new operand scalar: the same program
+    assert programs() == before
+    assert run(3.0, 0.25) == pytest.approx([0.3, 2.7])  # a new attribute value: part of the key
+    assert programs() == before + 1
