@@ -484,14 +484,23 @@ class ValuePolicy:
     _owner: int
     _constants: dict[tuple[Any, ...], Array]
 
-    def _prepare_value(self, x: ArrayLike, where: str = "Session.input") -> Array:
-        """Session policy for a value entering the tape; ``leaf`` does the placement itself."""
+    def _prepare_value(self, x: ArrayLike, where: str = "Session.input", host: bool = False) -> Array:
+        """Session policy for a value entering the tape; ``leaf`` does the placement itself.
+
+        ``host=True`` (a lazy session's input on the default device) keeps a NumPy
+        array on the host, as a copy in JAX's dtype: the programs that use it take it
+        as an argument, which moves it faster than converting it here.
+        """
         check_value_kind(x, where)
         if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
             self._warn_rational()
             return x
         if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
             check_fits_without_x64(x, where)
+            if host and self._default_device and type(x) is np.ndarray:
+                return np.array(
+                    x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)
+                )  # a copy: later edits of x do not count
             # Uncommitted on the default device, like parameter values created with jnp:
             # kernels then see one placement for every operand and compile once.
             return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)

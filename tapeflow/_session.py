@@ -58,6 +58,12 @@ _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
 
+def _read_host_input(nd: Node) -> None:
+    """A lazy session keeps a NumPy input on the host for its programs; read, it becomes a jax.Array like every value."""
+    if nd.dtype != R.OBJECT:  # exact rationals stay NumPy object arrays
+        nd.value = jnp.asarray(nd.value)
+
+
 def _next_owner() -> int:
     with _owner_lock:
         return next(_owner_counter)
@@ -216,6 +222,10 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         if self._lazy is not None:
             self.check_thread()
             materialize(self._lazy, self._tape)
+            nodes = self._tape._buf.nodes
+            for i in range(len(self._tape)):
+                if type(nodes[i].value) is np.ndarray:
+                    _read_host_input(nodes[i])
 
     def __repr__(self) -> str:
         kind = "" if self.grad_enabled else ", inference"
@@ -282,8 +292,11 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         """The recorded node behind the live handle ``h`` (raises for a stale or foreign one), with its value."""
         check_handle(h, self)
         nd = self._tape[h.id]
-        if nd.value is PENDING:
+        v = nd.value
+        if v is PENDING:
             materialize(self._lazy, self._tape)  # type: ignore[arg-type]  # only a lazy session has pending nodes
+        elif type(v) is np.ndarray:
+            _read_host_input(nd)
         return nd
 
     # -- leaves ----------------------------------------------------------------
@@ -308,7 +321,14 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
         if isinstance(x, Tensor):
             x = self.node(x).value
-        return self._commit_leaf(self._prepare_value(x), requires_grad)
+        v = self._prepare_value(x, host=self._lazy is not None)
+        if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
+            dt = np.dtype(v.dtype)
+            rg = requires_grad and self.grad_enabled and not self._no_grad and R.is_float(dt)
+            t = self._tape
+            self._commit(t._append(Node(None, (), (), v, rg, v.shape, dt)))
+            return self._handle(t._n)
+        return self._commit_leaf(v, requires_grad)
 
     def const(self, x: ArrayLike) -> Tensor:
         """Record a constant leaf (never requires grad)."""

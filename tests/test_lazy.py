@@ -399,3 +399,20 @@ def test_scalar_operands_are_arguments_and_scalar_attributes_are_keys():
     assert programs() == before
     assert run(3.0, 0.25) == pytest.approx([0.3, 2.7])  # a new attribute value: part of the key
     assert programs() == before + 1
+
+
+def test_numpy_inputs_are_copied_kept_on_the_host_and_read_as_jax_arrays():
+    """A lazy session hands a NumPy input to its programs as it is (faster than converting it when recorded)."""
+    s = tfl.Session(lazy=True)
+    x = np.arange(3, dtype=F32)
+    h = s.input(x, requires_grad=True)
+    y = tfl.sum(h * 2.0)
+    x[:] = 100.0  # edits after the input was recorded do not count, as eagerly
+    assert float(y) == 6.0
+    assert isinstance(h.value, jax.Array) and h.value.tolist() == [0.0, 1.0, 2.0]
+    assert s.backward(y)[h].tolist() == [2.0, 2.0, 2.0]
+    with jax.enable_x64(False):
+        s32 = tfl.Session(lazy=True)
+        h64 = s32.input(np.arange(3.0))  # float64 data: JAX's dtype, as jnp.asarray gives
+        assert h64.dtype == np.float32 and (h64 * 1.0).value.dtype == np.float32
+        assert s32.tape[h64.id].value.dtype == np.float32 and isinstance(s32.tape[h64.id].value, jax.Array)
