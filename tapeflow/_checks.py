@@ -40,6 +40,23 @@ def bool_error(name: str, v: Any) -> str | None:
     return f"attribute {name}={v!r} must be True or False"
 
 
+def as_dtype(v: Any) -> np.dtype | None:
+    """The NumPy dtype ``v`` names (``"float32"``, ``jnp.bfloat16``, a dtype), or None when it names none.
+
+    >>> as_dtype("bfloat16"), as_dtype("not a dtype")
+    (dtype(bfloat16), None)
+    """
+    try:
+        return np.dtype(v)
+    except TypeError:
+        return None
+
+
+def is_floating_dtype(dt: np.dtype) -> bool:
+    """Whether ``dt`` is a floating dtype (bfloat16 and float8 types included)."""
+    return bool(jnp.issubdtype(dt, jnp.floating))
+
+
 def is_int_dtype(dt: np.dtype) -> bool:
     """Whether ``dt`` is an integer dtype (exact rationals, bools and floats are not)."""
     return dt != np.dtype(object) and bool(jnp.issubdtype(dt, jnp.integer))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checks import axes_error, bool_error, broadcast, float_operands, is_number, norm_axes, same_dtype
+from ._checks import as_dtype, axes_error, bool_error, broadcast, float_operands, is_number, norm_axes, same_dtype
 from ._registry import REQUIRED, Axes, Spec, broadcast_shapes, op, unbroadcast, xp_of
 from ._typing import Array
 
@@ -254,11 +254,7 @@ def _stop_gradient_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
 
 
 def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
-    try:
-        np.dtype(dtype)
-    except TypeError:
-        return f"attribute dtype={dtype!r} is not a dtype"
-    return None
+    return f"attribute dtype={dtype!r} is not a dtype" if as_dtype(dtype) is None else None
 
 
 @op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check)

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from . import _registry as R
+from ._checks import as_dtype, is_floating_dtype
 from ._result import Err, TapeError
 from ._tape import Tape, append_op, check_op
 from ._typing import DTypeLike, NodeId
@@ -72,11 +73,10 @@ class Precision:
     compute_dtype: np.dtype
 
     def __init__(self, compute_dtype: DTypeLike) -> None:
-        try:
-            dt = np.dtype(compute_dtype)
-        except TypeError:
-            raise TapeError(f"Session: compute_dtype {compute_dtype!r} is not a dtype; use e.g. jnp.bfloat16") from None
-        if not jnp.issubdtype(dt, jnp.floating):
+        dt = as_dtype(compute_dtype)
+        if dt is None:
+            raise TapeError(f"Session: compute_dtype {compute_dtype!r} is not a dtype; use e.g. jnp.bfloat16")
+        if not is_floating_dtype(dt):
             raise TapeError(f"Session: compute_dtype must be a floating dtype (bfloat16, float16), got {dt}")
         object.__setattr__(self, "compute_dtype", dt)
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import as_dtype, is_floating_dtype
 from ._kernels import KernelCache
 from ._result import TapeError
 from ._typing import Array, DTypeLike, PRNGKey, Shape
@@ -169,11 +170,10 @@ class RandomDraws:
             raise TapeError(f"{method}: random tensor shape must be non-negative integers, got {shape!r}")
         dt = None
         if dtype is not None:
-            try:
-                dt = np.dtype(dtype)
-            except TypeError:
-                raise TapeError(f"{method}: {dtype!r} is not a dtype; use a floating dtype such as float32") from None
-            if not jnp.issubdtype(dt, jnp.floating):
+            dt = as_dtype(dtype)
+            if dt is None:
+                raise TapeError(f"{method}: {dtype!r} is not a dtype; use a floating dtype such as float32")
+            if not is_floating_dtype(dt):
                 raise TapeError(f"{method}: dtype {dt} is not supported; use a floating dtype such as float32")
         v = draw(kind, tuple(int(d) for d in shape), dt, self._key(method))
         self._rng_counter += 1
