@@ -69,8 +69,8 @@ from ._checkpoint_meta import (
     StorageEntry,
     bad_meta,
 )
-from ._device import default_device
-from ._params import Param, _device_of, canonical_indices
+from ._device import default_device, device_of
+from ._params import Param, canonical_indices
 
 if TYPE_CHECKING:
     from ._optim import Optimizer
@@ -442,7 +442,7 @@ def _check_optimizer(
 
 
 def _target_sharding(current: object) -> jax.sharding.SingleDeviceSharding:
-    dev = _device_of(current)
+    dev = device_of(current)
     return jax.sharding.SingleDeviceSharding(dev if dev is not None else default_device())
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, cast
 
 import jax
 
-__all__ = ["default_device", "resolve_device"]
+__all__ = ["default_device", "device_of", "resolve_device"]
 
 _ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
@@ -64,3 +65,31 @@ def default_device() -> jax.Device:
     if dev is None:
         return jax.devices()[0]
     return resolve_device(dev)  # a platform name such as "cpu", or a jax.Device as it is
+
+
+@functools.cache
+def _array_type() -> type:
+    """The concrete class of ``jax.Array`` values (found on first use: importing tapeflow starts no backend)."""
+    return type(jax.numpy.zeros(()))
+
+
+def device_of(x: Any) -> jax.Device | None:
+    """The one device the concrete array ``x`` lives on; None for host data, tracers and arrays on several devices.
+
+    >>> import jax.numpy as jnp
+    >>> device_of(jnp.ones(2)) == jax.devices()[0], device_of([1.0])
+    (True, None)
+    """
+    if type(x) is _array_type():  # the common case, without an ABC check or a device set per call
+        sh = cast(jax.Array, x).sharding
+        if type(sh) is jax.sharding.SingleDeviceSharding:
+            for d in sh.device_set:
+                return d
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        try:
+            devs = x.devices()
+        except Exception:
+            return None
+        if len(devs) == 1:
+            return next(iter(devs))
+    return None

@@ -32,10 +32,11 @@ import numpy as np
 import optax
 
 from . import _registry as R
+from ._device import device_of
 from ._grads import Grads, ParameterGroup, sum_in_leaf_order
 from ._interrupts import deferred_interrupts
 from ._lazy import LazyGrads
-from ._params import Param, Storage, _device_of, canonical_indices
+from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
 from ._state import StateLog, state_log_of
@@ -439,7 +440,7 @@ class Optimizer:
                 log.commit()
             return
         try:
-            device = next(_device_of(p[0]) for p in per_slot if p is not None)
+            device = next(device_of(p[0]) for p in per_slot if p is not None)
             values = [s.read(device) for s in storages]
             if isinstance(grads, Grads):
                 # the per-storage sums of the recording (held by grads until consume() lets go of them)
@@ -476,7 +477,7 @@ class Optimizer:
         grads.pending = None  # consumed by this step, read or not
         try:
             storages = self._slot_storages
-            device = _device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
+            device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
             values = [st.read(device) for st in storages]
             exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
             new_vals, new_state, flags = lazy.step(leaves, self._update_fn(used), values, self.state, check_finite)

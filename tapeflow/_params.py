@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _registry as R
 from . import _treescope
+from ._device import device_of
 from ._result import TapeError
 from ._tensor import RemovableHandle, TensorOps
 from ._typing import Array, ArrayLike, DTypeLike
@@ -204,7 +205,7 @@ class Storage:
     def read_host(self) -> Array:
         """The current value on the host, synchronizing a newer device mirror first."""
         if not self._host_current:
-            host_dev = _device_of(self._host)
+            host_dev = device_of(self._host)
             self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
             self._host_current = True
             self._current = self._host
@@ -219,16 +220,16 @@ class Storage:
         if device is None:
             return self._current  # read_current()
         m = self._mirror
-        if m is None and self._host_current and _device_of(self._host) == device:
+        if m is None and self._host_current and device_of(self._host) == device:
             return self._host  # the common case: the value lives on the device asked for
-        if not self._host_current and _device_of(m) in (None, device):
+        if not self._host_current and device_of(m) in (None, device):
             return m
         h = self._host
         if self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
             return h if self._host_current else self.read_host()
-        if m is not None and _device_of(m) == device:
+        if m is not None and device_of(m) == device:
             return m
-        if self._host_current and _device_of(h) == device:
+        if self._host_current and device_of(h) == device:
             return h
         m = jax.device_put(self.read_host(), device)
         self._mirror = m
@@ -249,7 +250,7 @@ class Storage:
                 "(create a new Param to change them)"
             )
         # choose the cell, then replace it
-        self._host_current = not (on_device and _device_of(v) != _device_of(self._host))
+        self._host_current = not (on_device and device_of(v) != device_of(self._host))
         self.write_current(v)
 
     def __repr__(self) -> str:
@@ -257,26 +258,6 @@ class Storage:
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         return _treescope.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
-
-
-_ONE_DEVICE = jax.sharding.SingleDeviceSharding
-_ARRAY_IMPL = type(jnp.zeros(()))  # the concrete jax.Array class
-
-
-def _device_of(x: Array) -> jax.Device | None:
-    if type(x) is _ARRAY_IMPL:  # the common case, without an ABC check or a device set per call
-        sh = x.sharding
-        if type(sh) is _ONE_DEVICE:
-            for d in sh.device_set:
-                return d
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        try:
-            devs = x.devices()
-        except Exception:
-            return None
-        if len(devs) == 1:
-            return next(iter(devs))
-    return None
 
 
 class Param(TensorOps):

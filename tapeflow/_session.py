@@ -53,7 +53,6 @@ __all__ = ["RationalFallbackWarning", "Session"]
 
 _BOOL = np.dtype(bool)
 _DEFAULTS = {"lazy": False}  # what Session(lazy=None) means (the test suite runs files under both)
-_JAX_ARRAY = type(jnp.zeros(()))  # the concrete jax.Array class: its shape is a tuple, its dtype a NumPy dtype
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
@@ -422,7 +421,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                             break
                 v = self._constant(o, ref_dtype, opname)
                 plan.append(v)
-                specs.append((v.shape, v.dtype) if type(v) is _JAX_ARRAY else (tuple(np.shape(v)), np.dtype(v.dtype)))
+                specs.append((tuple(v.shape), np.dtype(v.dtype)))
         casts = self.precision.targets(opname, specs) if self.precision is not None else None
         if casts is not None:  # the op is checked with the dtypes it will compute in
             specs = [(sh, dt if c is None else c) for (sh, dt), c in zip(specs, casts)]

@@ -29,7 +29,7 @@ import numpy as np
 from . import _registry as R
 from . import _treescope
 from ._checks import is_int
-from ._device import resolve_device
+from ._device import device_of, resolve_device
 from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
 
@@ -99,7 +99,6 @@ class Node:
 
 
 _new_object = object.__new__
-_ONE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
 class _Buffer:
@@ -291,11 +290,8 @@ def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
         return value
     if device is not None:
         if isinstance(value, jax.Array):
-            sh = value.sharding
-            if type(sh) is _ONE_DEVICE and device in sh.device_set:  # the common case, cheaply
-                return value
-            devs = value.devices()
-            if devs == {device} or len(devs) > 1:  # already there, or sharded: keep its sharding
+            d = device_of(value)
+            if d == device or (d is None and len(value.devices()) > 1):  # already there, or sharded: keep its sharding
                 return value
         return jax.device_put(value, device)
     if isinstance(value, jax.Array):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,12 @@ def test_compiled_step_uses_only_public_members_of_other_classes() -> None:
 def test_no_star_imports_in_the_package() -> None:
     for path in SOURCES:
         assert "import *" not in path.read_text(), f"tapeflow/{path.relative_to(PKG)} uses import *"
+
+
+def test_importing_tapeflow_starts_no_jax_backend() -> None:
+    """Import stays cheap and leaves JAX configurable (jax.distributed.initialize, jax_platforms) afterwards."""
+    code = (
+        "import tapeflow\nfrom jax._src import xla_bridge\nassert not xla_bridge._backends, 'import started a backend'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
