@@ -122,27 +122,30 @@ def _max_diffs(torch, kind, dtype, batched=True, with_state=True, bias=True):
     return diffs
 
 
+def assert_within(diffs: dict[str, float], tol: float, what: str) -> None:
+    """Every max |tapeflow - torch| in ``diffs`` is at most ``tol`` (NaN fails too)."""
+    bad = {k: v for k, v in diffs.items() if not v <= tol}
+    assert not bad, f"{what}: max |tapeflow - torch| over tolerance {tol}: {bad}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_unrolled_cell_equals_torch_forward_and_backward(torch, kind, dtype):
     diffs = _max_diffs(torch, kind, dtype)
     assert set(diffs) >= {"out", "x", "h0", *NAMES}
-    bad = {k: v for k, v in diffs.items() if not v <= TOL[dtype]}
-    assert not bad, f"{kind} {dtype}: max |tapeflow - torch| over tolerance {TOL[dtype]}: {bad}"
+    assert_within(diffs, TOL[dtype], f"{kind} {dtype}")
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_unbatched_input_equals_torch(torch, kind):
     diffs = _max_diffs(torch, kind, "float64", batched=False)
-    bad = {k: v for k, v in diffs.items() if not v <= 1e-10}
-    assert not bad, bad
+    assert_within(diffs, 1e-10, kind)
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_default_state_is_zeros_as_in_torch(torch, kind):
     diffs = _max_diffs(torch, kind, "float64", with_state=False)
-    bad = {k: v for k, v in diffs.items() if not v <= 1e-10}
-    assert not bad, bad
+    assert_within(diffs, 1e-10, kind)
     # and the same as passing zeros explicitly
     _, cell = _pair(torch, kind, "float64")
     x = jnp.asarray(_data("float64")[0][0])
@@ -159,8 +162,7 @@ def test_default_state_is_zeros_as_in_torch(torch, kind):
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_no_bias_equals_torch(torch, kind):
     diffs = _max_diffs(torch, kind, "float64", bias=False)
-    bad = {k: v for k, v in diffs.items() if not v <= 1e-10}
-    assert not bad, bad
+    assert_within(diffs, 1e-10, kind)
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
