@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,6 @@ from ._result import TapeError
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
 from ._state import StateLog, state_log_of
 from ._typing import Array, ArrayLike, OptState, PyTree
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 
