@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _registry as R
+from . import _step
 from ._interrupts import deferred_interrupts
 from ._optim import Optimizer
 from ._params import Param, Storage, canonical_indices
@@ -35,6 +35,7 @@ from ._result import TapeError
 from ._session import Session
 from ._slots import SlotKey
 from ._state import mode_reads
+from ._step import StepOutcome, check_parts, finish
 from ._tensor import Tensor
 from ._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 
@@ -321,33 +322,24 @@ class TrainStep:
         if new or (moded and self._mode_retrace):
             raise _Retrace(new)
         self._signatures.add(signature)
-        grads, used = _storage_grads(s, loss, storages)
+        grads = s.backward(loss)
+        parts = [None if g is None else (grads.group_value(g),) for g in map(grads.group_of, storages)]
+        check_parts(opt.rule, parts, "train_step")
         # state cells (running statistics) assigned by the recording: returned as outputs, keyed by storage uid
         writes = s.state_writes
         for k, st in enumerate(storages):
-            if used[k] and st in writes:
+            if parts[k] is not None and st in writes:
                 raise TapeError(
                     f"train_step: loss_fn assigned {opt.describe(k)} as state and also trains it; a storage is "
                     "either a state cell or a trained parameter"
                 )
         self._state_cells.update((st.uid, st) for st in writes)
         state_out = {st.uid: v for st, v in writes.items()}
-        new_vals, new_state = opt.update(values, state, grads, used)
-        for k, (st, v) in enumerate(zip(storages, new_vals)):  # checked once per trace, not per call
-            if tuple(v.shape) != st.shape or np.dtype(v.dtype) != st.dtype:
-                raise TapeError(
-                    f"train_step: the optimizer's update turns {opt.describe(k)} into "
-                    f"{R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))}; a parameter keeps its shape and dtype"
-                )
-        new_vals = [jnp.asarray(v, st.dtype) for v, st in zip(new_vals, storages)]  # never weakly typed
-        flags, next_counter = None, counter + 1
-        if check_finite:  # as Optimizer.step: a non-finite gradient updates nothing
-            flags = jnp.stack([jnp.all(jnp.isfinite(g)) if u else jnp.array(True) for g, u in zip(grads, used)])
-            ok = jnp.all(flags)
-            new_vals = [jnp.where(ok, n, v) for n, v in zip(new_vals, values)]
-            new_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
-            next_counter = jnp.where(ok, next_counter, counter)
-        return new_vals, new_state, next_counter, s.node(loss).value, aux, flags, state_out
+        out = _step.step(opt.rule, parts, values, state, check_finite)
+        next_counter = counter + 1
+        if out.finite is not None:  # a refused step keeps the counter, as it keeps every other value
+            next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
+        return out.values, out.state, next_counter, s.node(loss).value, aux, out.finite, state_out
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
@@ -469,22 +461,30 @@ class TrainStep:
                     ) from e
                 raise
         new_vals, new_state, counter, loss, aux, flags, state_out = out
-        ok = None if flags is None else np.asarray(flags)
-        finite = ok is None or bool(ok.all())
-        # a step with a non-finite gradient keeps the old state cells, as it keeps the old parameters
-        cells = [(self._state_cells[uid], v) for uid, v in state_out.items()] if finite and state_out else []
-        with deferred_interrupts():  # parameters, optimizer state, state cells and counters change together
-            # one device: the trace checked shape and dtype, and the program leaves each value on the
-            # device of the cell it read, so the unchecked fast write into that cell is exact
-            opt.install(new_vals, new_state, exact=self.mesh is None, state_writes=cells)
+        cells = [(self._state_cells[uid], v) for uid, v in state_out.items()] if state_out else []
+        # one device: the trace checked shape and dtype, and the program leaves each value on the device
+        # of the cell it read, so the fast write into that cell is exact; parameters, optimizer state,
+        # state cells and counters change together or not at all
+        with deferred_interrupts():
+            try:
+                finish(
+                    opt.rule,
+                    storages,
+                    StepOutcome(new_vals, new_state, flags),
+                    [True] * len(storages),
+                    "train_step",
+                    opt,
+                    replacing=values if self.mesh is None else None,
+                    state_writes=cells,
+                    restore_on_refusal=self.donate,  # the donated old values exist only as the program's outputs
+                )
+            except TapeError:
+                if self.donate:
+                    self._counter = counter  # the program's (unchanged) counter: the old one was donated
+                raise
             self._counter = counter
-            if finite:
-                self.step_count += 1
-                self._counter_step = self.step_count
-        if not finite:  # the program kept every old value
-            assert ok is not None
-            bad = int(np.argmin(ok))
-            raise TapeError(f"train_step: non-finite gradient for {opt.describe(bad)}; nothing was updated")
+            self.step_count += 1
+            self._counter_step = self.step_count
         return (loss, aux) if self.has_aux else loss
 
     def _modes(self) -> tuple[tuple[int, bool], ...]:

@@ -23,23 +23,23 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from . import _registry as R
+from . import _step
+from ._commit import commit
 from ._device import device_of
 from ._grads import Grads, ParameterGroup, sum_in_leaf_order
-from ._interrupts import deferred_interrupts
 from ._lazy import LazyGrads
 from ._params import Param, Storage, canonical_indices
 from ._result import TapeError
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
 from ._state import StateLog, state_log_of
+from ._step import SlotParts, SlotRule, StepOutcome, check_parts, finish
 from ._typing import Array, ArrayLike, OptState, PyTree
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
@@ -47,8 +47,8 @@ __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
 """What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
 
-UpdateFn: TypeAlias = Callable[[list[Array | None], OptState, list[Array]], tuple[list[Array], OptState]]
-"""The jitted ``(slot_grads, state, values) -> (new_values, new_state)`` of one used-pattern."""
+StepFn: TypeAlias = Callable[[SlotParts, Sequence[Array], OptState], StepOutcome]
+""":func:`tapeflow._step.step` for one optimizer and finite-check flag, as a lazy step program calls it."""
 
 
 class Optimizer:
@@ -94,7 +94,6 @@ class Optimizer:
         self.lock = threading.RLock()  # steps from several threads run one after the other
         self._records, names = records_of(params)
         self._names = names
-        self._update_fns: dict[tuple[bool, ...], UpdateFn] = {}
         self._init_slots()
 
     # -- layout ----------------------------------------------------------------
@@ -113,17 +112,27 @@ class Optimizer:
         # state structure -> slot_index_tree of it (None: tree_map_params could not map it)
         self._slot_indices: dict[jax.tree_util.PyTreeDef, PyTree] = {}
         self._warned_no_slots = False
+        self.rule = SlotRule(
+            self.tx,
+            tuple(self._slot_specs),
+            None if self._names is None else tuple(self._slot_keys),
+            self.slot_indices,
+            self.describe,
+        )
+        rule = self.rule
+
+        def run(parts: SlotParts, values: Sequence[Array], state: OptState, check_finite: bool) -> StepOutcome:
+            return _step.step(rule, parts, values, state, check_finite)
+
+        # compiled once per structure of the parts (which slots are used, how many leaves each has)
+        self._step_fn = jax.jit(run, static_argnums=3)
+        self._lazy_steps: dict[bool, StepFn] = {}
         self.state: OptState = self.tx.init(self.param_tree())
 
     def _tree(self, values: Sequence[object]) -> PyTree:
         if self._names is not None:
             return dict(zip(self._slot_keys, values))
         return list(values)
-
-    def _leaves(self, tree: PyTree) -> list[Array]:
-        if self._names is not None:
-            return [tree[k] for k in self._slot_keys]
-        return list(tree)
 
     @property
     def storages(self) -> list[Storage]:
@@ -171,7 +180,6 @@ class Optimizer:
     def reinit(self) -> None:
         """Re-read the alias layout of the registrations and start from fresh optimizer state."""
         self._init_slots()
-        self._update_fns.clear()
 
     def check_layout(self) -> tuple[Storage, ...]:
         """Raise :class:`TapeError` if the registrations no longer fit the state; return the slot storages.
@@ -241,7 +249,7 @@ class Optimizer:
 
     # -- gradients -------------------------------------------------------------
     def _collect(self, grads: GradsLike) -> tuple[list[tuple[Array, ...] | None], list[ParameterGroup | None]]:
-        """For each slot, the cotangents to validate (None: slot unused this step), and its group for a Grads."""
+        """For each slot, the cotangents that update it (None: slot unused this step), and its group for a Grads."""
         n = len(self._slot_storages)
         per_slot: list[tuple[Array, ...] | None] = [None] * n
         if isinstance(grads, Grads):
@@ -303,65 +311,7 @@ class Optimizer:
                 "record it with session.use(p)"
             )
 
-    def _validate(self, per_slot: list[tuple[Array, ...] | None], check_finite: bool) -> None:
-        for k, parts in enumerate(per_slot):
-            if parts is None:
-                continue
-            st = self._slot_storages[k]
-            for g in parts:
-                if not hasattr(g, "dtype"):
-                    g = np.asarray(g)
-                shape, dtype = tuple(g.shape), np.dtype(g.dtype)
-                if shape != st.shape or dtype != st.dtype:
-                    raise TapeError(
-                        f"Optimizer.step: gradient for {self.describe(k)} is {R.fmt_spec((shape, dtype))} but the "
-                        f"parameter is {R.fmt_spec((st.shape, st.dtype))}; nothing was updated"
-                    )
-                if isinstance(g, jax.Array) and g.is_deleted():
-                    raise TapeError(f"Optimizer.step: gradient for {self.describe(k)} was already released")
-        if check_finite:
-            flags = [jnp.all(jnp.isfinite(g)) for parts in per_slot if parts for g in parts]
-            if flags and not bool(jnp.all(jnp.stack(flags))):
-                bad = next(
-                    self.describe(k)
-                    for k, parts in enumerate(per_slot)
-                    if parts and not all(bool(jnp.all(jnp.isfinite(g))) for g in parts)
-                )
-                raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
-
     # -- update ----------------------------------------------------------------
-    def _update_fn(self, used: tuple[bool, ...]) -> UpdateFn:
-        fn = self._update_fns.get(used)
-        if fn is not None:
-            return fn
-        tx = self.tx
-        n = len(self._slot_storages)
-        tree = self._tree
-        leaves_of = self._leaves
-        slot_indices = self.slot_indices
-
-        def keep_unused(k: int, new: PyTree, old: PyTree) -> PyTree:
-            return old if k >= 0 and not used[k] else new
-
-        def update(
-            slot_grads: list[Array | None], state: OptState, values: list[Array]
-        ) -> tuple[list[Array], OptState]:
-            if not any(used):
-                return list(values), state  # a recording that used none of the slots changes nothing at all
-            grads = [slot_grads[k] if used[k] else jnp.zeros_like(values[k]) for k in range(n)]
-            params = tree(values)
-            updates, new_state = tx.update(tree(grads), state, params)
-            new_vals = leaves_of(optax.apply_updates(params, updates))
-            if all(used):
-                return new_vals, new_state
-            new_vals = [nv if used[k] else values[k] for k, nv in enumerate(new_vals)]
-            # an unused parameter's own parts of the state stay as they were
-            new_state = jax.tree_util.tree_map(keep_unused, slot_indices(state), new_state, state)
-            return new_vals, new_state
-
-        fn = self._update_fns[used] = jax.jit(update)
-        return fn
-
     def update(
         self,
         values: Sequence[Array],
@@ -376,10 +326,9 @@ class Optimizer:
         recording used (default: those whose gradient is not None). An unused
         slot's value and per-parameter state are returned unchanged; when no slot
         is used, nothing changes, not even shared state such as Adam's step
-        count (as in :meth:`step`). Nothing is
-        read or written: this is what :meth:`step` applies and what
-        :func:`~tapeflow.train_step` traces into its program. It is compiled once
-        per ``used`` pattern and can be called inside ``jax.jit``.
+        count (as in :meth:`step`). Nothing is read or written: this is
+        :func:`tapeflow._step.step`, the update every training path runs, compiled
+        once per ``used`` pattern; it can be called inside ``jax.jit``.
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> opt = tfl.Optimizer(optax.sgd(0.5), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))])
@@ -392,18 +341,26 @@ class Optimizer:
             raise ValueError(
                 f"Optimizer.update: expected {n} values and gradients (one per slot), got {len(values)} and {len(grads)}"
             )
-        mask = tuple(g is not None for g in grads) if used is None else tuple(bool(u) for u in used)
-        return self._update_fn(mask)(list(grads), state, list(values))
+        mask = [g is not None for g in grads] if used is None else [bool(u) for u in used]
+        parts = [
+            None if not m else ((jnp.zeros(self.rule.specs[k][0], self.rule.specs[k][1]) if g is None else g),)
+            for k, (g, m) in enumerate(zip(grads, mask))
+        ]
+        out = self._step_fn(parts, list(values), state, False)
+        return out.values, out.state
 
     def step(self, grads: GradsLike, *, check_finite: bool | None = None) -> None:
         """Apply one update per storage used in the recording, then free the gradients it used.
 
-        Every gradient is validated (present, shape and dtype; finiteness when
-        ``check_finite``) before any parameter changes. The gradient buffers this
-        step consumed are released after the update, also when it raises; once
-        every parameter group of ``grads`` is consumed the whole ``Grads`` is
-        released (so two optimizers over disjoint parameters can share one).
-        Steps from several threads are serialized on :attr:`lock`.
+        Every gradient is validated (present, shape and dtype; with
+        ``check_finite``, that each storage's summed gradient is finite) before
+        any parameter changes; a refused step leaves the gradients readable. The
+        gradient buffers this step consumed are released after the update, also
+        when the update raises; once every parameter group of ``grads`` is
+        consumed the whole ``Grads`` is released (so two optimizers over disjoint
+        parameters can share one). Steps from several threads are serialized on
+        :attr:`lock`. What the step computes and writes is :mod:`tapeflow._step`,
+        shared with a lazy session's fused step and :func:`~tapeflow.train_step`.
 
         State cells the recording assigned eagerly (``Session.assign_state``:
         BatchNorm's running statistics) were written during the forward; when
@@ -415,116 +372,91 @@ class Optimizer:
         with self.lock:
             log = state_log_of(grads)
             try:
-                self._step(grads, check_finite, log)
+                self._run(grads, check_finite, log)
             except BaseException:
                 if log is not None:
                     log.undo()  # nothing once committed: the step's write-back had completed
                 raise
 
-    def _step(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
+    def _run(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
         storages = self.check_layout()
         check = self.check_finite if check_finite is None else check_finite
-        if isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads) and self._fused(grads, check, log):
+        then = () if log is None else (log.commit,)
+        if isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads) and self._fused(grads, check, then):
             return
-        per_slot, groups = self._collect(grads)
-        self._validate(per_slot, check)
-        used = tuple(p is not None for p in per_slot)
+        parts, groups = self._collect(grads)
+        check_parts(self.rule, parts, "Optimizer.step")
+        used = [p is not None for p in parts]
         mine = [g for g in groups if g is not None]
         if not any(used):
             if isinstance(grads, Grads):
                 grads.consume(mine)
-            if log is not None:
-                log.commit()
+            commit(where="Optimizer.step", then=then)
             return
         try:
-            device = next(device_of(p[0]) for p in per_slot if p is not None)
+            device = next(device_of(p[0]) for p in parts if p is not None)
             values = [s.read(device) for s in storages]
+            # summed here, as grads[param] sums them (bit-identical to it), then handed to the step as one part
             if isinstance(grads, Grads):
-                # the per-storage sums of the recording (held by grads until consume() lets go of them)
-                slot_grads = [None if g is None else grads.group_value(g) for g in groups]
+                parts = [None if g is None else (grads.group_value(g),) for g in groups]
             else:
-                slot_grads = [None if p is None else sum_in_leaf_order(p) for p in per_slot]
-            new_vals, new_state = self.update(values, self.state, slot_grads, used)
-        finally:
+                parts = [None if p is None else (sum_in_leaf_order(p),) for p in parts]
+            out = self._step_fn(parts, values, self.state, check)
+        except BaseException:
             if isinstance(grads, Grads):
-                grads.consume(mine)  # lets go of what this step used; of everything once every group is used
-        with deferred_interrupts():  # a Ctrl-C held during the write-back lands after the commit, undoing nothing
-            self.install(new_vals, new_state, used)
-            if log is not None:
-                log.commit()
+                grads.consume(mine)  # a failed update still lets go of the gradients it used
+            raise
+        finish(self.rule, storages, out, used, "Optimizer.step", self, then=then)
+        if isinstance(grads, Grads):
+            grads.consume(mine)  # lets go of what this step used; of everything once every group is used
 
-    def _fused(self, grads: Grads, check_finite: bool, log: StateLog | None) -> bool:
-        """A lazy session's unread gradients and this update as one program (as ``train_step``); False: not fusable.
+    def _fused(self, grads: Grads, check_finite: bool, then: Sequence[Callable[[], None]]) -> bool:
+        """A lazy session's unread gradients and the step as one program (as ``train_step``); False: not fusable.
 
         It fuses when this optimizer consumes every parameter group of ``grads``
-        (else they are computed once and shared, as eagerly); checks, failures
-        and the write-back are :meth:`step`'s.
+        (else they are computed once and shared, as eagerly); the checks and the
+        write-back are :mod:`tapeflow._step`'s, as in :meth:`step`.
         """
         lazy = cast(LazyGrads, grads.pending)
         groups = self._slot_groups(grads)
         mine = [g for g in groups if g is not None]
         if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
             return False
-        nodes = lazy.tape._buf.nodes
+        nodes = lazy.tape.nodes
         leaves = [None if g is None else g.leaves for g in groups]
-        specs = self._slot_specs
-        if any(ls is not None and any(nodes[i].spec != specs[k] for i in ls) for k, ls in enumerate(leaves)):
-            self._validate([None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], False)  # raises
-        used = tuple(ls is not None for ls in leaves)
+        check_parts(self.rule, [None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], "Optimizer.step")
+        used = [ls is not None for ls in leaves]
         grads.pending = None  # consumed by this step, read or not
         try:
             storages = self._slot_storages
             device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
             values = [st.read(device) for st in storages]
             exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
-            new_vals, new_state, flags = lazy.step(leaves, self._update_fn(used), values, self.state, check_finite)
+            out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
-        if flags is not None and not bool(jnp.all(flags)):
-            grads.pending = lazy  # as step's validation: refused before the update, the gradients stay readable
-            bad = self.describe(int(np.argmin(np.asarray(flags))))
-            raise TapeError(f"Optimizer.step: non-finite gradient for {bad}; nothing was updated")
+        try:
+            finish(
+                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if exact else None, then=then
+            )
+        except BaseException:
+            grads.pending = lazy  # as step: a refused step leaves the gradients readable
+            raise
         grads.release()  # every storage group was this step's (consume(mine) would end in the same release)
-        with deferred_interrupts():
-            self.install(new_vals, new_state, used, exact=exact)  # the program cast them to the slots' dtypes
-            if log is not None:
-                log.commit()
         return True
 
-    def install(
-        self,
-        values: Sequence[Array],
-        state: OptState,
-        used: Sequence[bool] | None = None,
-        *,
-        exact: bool = False,
-        state_writes: Iterable[tuple[Storage, Array]] = (),
-    ) -> None:
-        """Write new slot values (those marked ``used``; default all) and the new state, as one unit.
+    def _lazy_step_fn(self, check_finite: bool) -> StepFn:
+        """:func:`tapeflow._step.step` for this layout as a function of ``(parts, values, state)``; one object per flag."""
+        fn = self._lazy_steps.get(check_finite)
+        if fn is None:
+            rule = self.rule
 
-        The writes run with Ctrl-C held off (:func:`~tapeflow._interrupts.deferred_interrupts`):
-        an interrupt lands before or after them, never between two, so the
-        parameters and the state always belong to the same step. ``exact=True``
-        skips the per-value placement and dtype handling of :meth:`Storage.write`
-        (for values a compiled step already produced in the cells' shapes, dtypes
-        and devices). ``state_writes`` are ``(storage, value)`` pairs of state cells
-        (running statistics a compiled step computed) written after the slots, in
-        the same unit; a storage listed there ends with that value.
-        """
-        storages = self._slot_storages
-        if used is None:
-            used = [True] * len(storages)
-        with deferred_interrupts():
-            if exact and all(used):
-                Storage.write_current_many(storages, values)
-            else:
-                for st, v, u in zip(storages, values, used):
-                    if u:
-                        st.write(v, on_device=True)
-            for st, v in state_writes:
-                st.write(v, on_device=True)
-            self.state = state
+            def run(parts: SlotParts, values: Sequence[Array], state: OptState) -> StepOutcome:
+                return _step.step(rule, parts, values, state, check_finite)
+
+            fn = self._lazy_steps[check_finite] = run
+        return fn
 
     def __repr__(self) -> str:
         return f"Optimizer({len(self._slot_storages)} slots for {len(self._records)} registrations)"

@@ -1,0 +1,120 @@
+"""One step semantics on every path: eager ``Optimizer.step``, a lazy session's fused step, ``train_step``.
+
+Each test runs the same scenario on the three paths through one parametrized
+fixture; the spy test checks that every path runs ``tapeflow._step.step``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import tapeflow as tfl
+from tapeflow import _step
+
+PATHS = ["eager", "lazy", "train_step"]
+
+
+def _run(path: str, loss_fn, opt: tfl.Optimizer, steps: list | None = None) -> None:
+    """One training step of ``loss_fn(session)`` on ``path``; ``steps`` keeps a train_step to read its counters."""
+    if path == "train_step":
+        step = tfl.train_step(lambda s: loss_fn(s), opt)
+        if steps is not None:
+            steps.append(step)
+        step()
+        return
+    with tfl.Session(lazy=path == "lazy") as s:
+        opt.step(s.backward(loss_fn(s)))
+
+
+def _snapshot(params, opt):
+    return [np.asarray(p.value).copy() for p in params], [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(opt.state)]
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+def _reshaping_tx() -> optax.GradientTransformation:
+    """An update that turns each (3,) parameter into (2, 3) (apply_updates broadcasts it)."""
+
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        return jax.tree_util.tree_map(lambda u: jnp.broadcast_to(u, (2, *u.shape)), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_update_that_changes_a_parameters_shape_is_refused_with_nothing_changed(path):
+    w = tfl.Param(jnp.arange(3.0, dtype=jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.chain(optax.scale_by_adam(), _reshaping_tx()), [w])
+    before = _snapshot([w], opt)
+    steps: list = []
+    with pytest.raises(tfl.TapeError, match=r"turns Param\('w'.*float32\[2,3\].*keeps its shape and dtype"):
+        _run(path, lambda s: tfl.sum(w * w), opt, steps)
+    assert w.shape == (3,) and w.value.shape == (3,)
+    _same(before, _snapshot([w], opt))
+    if steps:
+        assert steps[0].step_count == 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_check_finite_refuses_a_tied_sum_that_overflows_with_nothing_changed(path):
+    """Each use's cotangent (60000) is finite in float16; their per-storage sum (120000) is not."""
+    w = tfl.Param(jnp.ones(2, jnp.float16), name="w")
+    w_out = tfl.tie(w, name="w_out")
+    opt = tfl.Optimizer(optax.adam(1e-3), [w, w_out], check_finite=True)
+    before = _snapshot([w], opt)
+    c = np.full(2, 60000.0, np.float16)
+    steps: list = []
+    with pytest.raises(tfl.TapeError, match=r"non-finite gradient for Param\('w'.*nothing was updated"):
+        _run(path, lambda s: tfl.sum(w * s.input(c)) + tfl.sum(w_out * s.input(c)), opt, steps)
+    _same(before, _snapshot([w], opt))
+    assert np.isfinite(np.asarray(w.value, np.float32)).all()
+    if steps:
+        assert steps[0].step_count == 0
+    # the same optimizer still steps once the gradient is finite
+    _run(path, lambda s: tfl.sum(w * s.input(np.ones(2, np.float16))), opt)
+    assert not np.array_equal(np.asarray(w.value), before[0][0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_runs_the_one_step(path, monkeypatch):
+    calls = []
+    orig = _step.step
+
+    def spy(*args, **kwargs):
+        calls.append(path)
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(_step, "step", spy)
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.sgd(0.5), [w, tfl.tie(w)])  # a new optimizer: every path traces its step anew
+    _run(path, lambda s: tfl.sum(w * w), opt)
+    assert calls, f"the {path} path did not run tapeflow._step.step"
+    np.testing.assert_allclose(np.asarray(w.value), [0.0, 0.0])  # w - 0.5 * 2w
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_run_under_a_jax_transformation_writes_no_tracer(path):
+    """A step writes state: under jax.jit it refuses instead of storing tracers in the Params."""
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.sgd(0.5), [w])
+    before = _snapshot([w], opt)
+
+    def traced(x):
+        _run(path, lambda s: tfl.sum(w * x), opt)
+        return x
+
+    with pytest.raises(tfl.TapeError, match="traced by JAX"):
+        jax.jit(traced)(jnp.ones(2, jnp.float32))
+    assert not isinstance(w.storage.read_current(), jax.core.Tracer)
+    _same(before, _snapshot([w], opt))
