@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from types import ModuleType
 from typing import Any
 
 from ._checkpoint_meta import CheckpointError
@@ -27,7 +28,7 @@ _META = "meta"
 _ORBAX_MARKER = "_CHECKPOINT_METADATA"
 
 
-def _ocp() -> Any:
+def _ocp() -> ModuleType:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - dependency of the package

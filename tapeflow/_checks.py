@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,36 +18,36 @@ import numpy as np
 from ._registry import Spec, broadcast_shapes, fmt_spec, is_float
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: object) -> bool:
     """Whether ``v`` is a Python or NumPy integer (bools are not)."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def is_number(v: Any) -> bool:
+def is_number(v: object) -> bool:
     """Whether ``v`` is a real Python or NumPy number: an int as :func:`is_int` (bools are not), or a float."""
     return is_int(v) or isinstance(v, (float, np.floating))
 
 
-def is_finite_number(v: Any) -> bool:
+def is_finite_number(v: object) -> bool:
     """Whether ``v`` is a number as :func:`is_number` that is neither NaN nor infinite."""
     return is_int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
 
 
-def bool_error(name: str, v: Any) -> str | None:
+def bool_error(name: str, v: object) -> str | None:
     """Message if attribute ``name`` is not ``True`` or ``False`` (a NumPy bool is one; ``1`` and ``0`` are not)."""
     if isinstance(v, (bool, np.bool_)):
         return None
     return f"attribute {name}={v!r} must be True or False"
 
 
-def as_dtype(v: Any) -> np.dtype | None:
+def as_dtype(v: object) -> np.dtype | None:
     """The NumPy dtype ``v`` names (``"float32"``, ``jnp.bfloat16``, a dtype), or None when it names none.
 
     >>> as_dtype("bfloat16"), as_dtype("not a dtype")
     (dtype(bfloat16), None)
     """
     try:
-        return np.dtype(v)
+        return np.dtype(v)  # type: ignore[call-overload]  # any object: the TypeError is the answer "no dtype"
     except TypeError:
         return None
 
@@ -62,25 +62,26 @@ def is_int_dtype(dt: np.dtype) -> bool:
     return dt != np.dtype(object) and bool(jnp.issubdtype(dt, jnp.integer))
 
 
-def int_tuple(v: Any) -> tuple[int, ...] | None:
+def int_tuple(v: object) -> tuple[int, ...] | None:
     """``v`` as a tuple of ints (an int is a 1-tuple), or None if it is not one."""
     if is_int(v):
-        return (int(v),)
+        return (int(cast(int, v)),)
     if isinstance(v, (tuple, list)) and all(is_int(a) for a in v):
         return tuple(int(a) for a in v)
     return None
 
 
-def int_pair(v: Any) -> tuple[int, int] | None:
+def int_pair(v: object) -> tuple[int, int] | None:
     """``v`` as a pair of ints (an int ``n`` is ``(n, n)``; a 2-tuple or 2-list of ints), or None if it is not one."""
     if is_int(v):
-        return (int(v), int(v))
+        n = int(cast(int, v))
+        return (n, n)
     if isinstance(v, (tuple, list)) and len(v) == 2 and all(is_int(a) for a in v):
         return (int(v[0]), int(v[1]))
     return None
 
 
-def checked_pair(v: Any) -> tuple[int, int]:
+def checked_pair(v: object) -> tuple[int, int]:
     """:func:`int_pair` of an attribute the op's check already accepted (a kernel's view of it)."""
     p = int_pair(v)
     if p is None:
@@ -139,14 +140,14 @@ def _range_error(a: int, ndim: int, of: str) -> str | None:
     return f"axis {a} is out of range for {of} of rank {ndim} ({valid})"
 
 
-def axis_error(axis: Any, ndim: int, of: str = "an operand") -> str | None:
+def axis_error(axis: object, ndim: int, of: str = "an operand") -> str | None:
     """Message if ``axis`` is not a single int naming an axis of rank ``ndim`` (negative counts from the end)."""
     if not is_int(axis):
         return f"attribute axis={axis!r} must be an int"
-    return _range_error(int(axis), ndim, of)
+    return _range_error(int(cast(int, axis)), ndim, of)
 
 
-def axes_error(axis: Any, ndim: int, *, none_ok: bool = False, of: str = "an operand") -> str | None:
+def axes_error(axis: object, ndim: int, *, none_ok: bool = False, of: str = "an operand") -> str | None:
     """Message if ``axis`` (int or tuple of ints; None = all if ``none_ok``) is not distinct axes of rank ``ndim``."""
     if axis is None and none_ok:
         return None
@@ -167,7 +168,7 @@ def axes_error(axis: Any, ndim: int, *, none_ok: bool = False, of: str = "an ope
     return None
 
 
-def norm_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+def norm_axes(axis: object, ndim: int) -> tuple[int, ...]:
     """The sorted non-negative axes named by ``axis`` (an int, a tuple of ints, or None = all) of rank ``ndim``."""
     if err := axes_error(axis, ndim, none_ok=True):
         raise ValueError(err)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import cast
 
 import jax
 
@@ -12,7 +12,7 @@ __all__ = ["default_device", "device_of", "resolve_device"]
 _ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def resolve_device(device: Any) -> jax.Device:
+def resolve_device(device: str | jax.Device) -> jax.Device:
     """Turn ``"cpu"``, ``"gpu"``/``"cuda"``, ``"gpu:1"``, ``"tpu"`` or a ``jax.Device`` into a device.
 
     An unknown name, or a platform JAX has no devices for, raises ``ValueError``
@@ -73,7 +73,7 @@ def _array_type() -> type:
     return type(jax.numpy.zeros(()))
 
 
-def device_of(x: Any) -> jax.Device | None:
+def device_of(x: object) -> jax.Device | None:
     """The one device the concrete array ``x`` lives on; None for host data, tracers and arrays on several devices.
 
     >>> import jax.numpy as jnp

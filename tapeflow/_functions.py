@@ -33,20 +33,15 @@ import keyword
 import linecache
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeAlias
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 from . import _ops_math, _ops_nn, _ops_shape  # noqa: F401  (register the ops)
 from ._params import Param
 from ._registry import REGISTRY, REQUIRED, OpDef, is_float
 from ._result import TapeError
-from ._tensor import Tensor, apply
+from ._tensor import Operand, Tensor, apply
 from ._tensor import session_of as _session_of
-
-Operand: TypeAlias = Tensor | Param | float | int | ArrayLike
-"""What an op accepts as an operand: a Tensor, a Param, a number or an array."""
 
 _OpFunction = Callable[..., Tensor]
 """A generated op function: operands and attributes in, a new Tensor handle out."""

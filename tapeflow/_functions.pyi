@@ -4,16 +4,11 @@ Generated from the op registry by ``python docs/_ext/gen_stubs.py``; do not edit
 """
 
 from collections.abc import Sequence
-from typing import TypeAlias
 
-from numpy.typing import ArrayLike, DTypeLike
+from numpy.typing import DTypeLike
 
-from ._params import Param
 from ._registry import Axes, Padding, Pair, Reduction, ShapeLike
-from ._tensor import Tensor
-
-Operand: TypeAlias = Tensor | Param | float | int | ArrayLike
-"""What an op accepts as an operand: a Tensor, a Param, a number or an array."""
+from ._tensor import Operand, Tensor
 
 __all__ = [
     "abs",

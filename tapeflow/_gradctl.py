@@ -1,7 +1,7 @@
 """The gradient controls of a :class:`~tapeflow.Session`: hooks, ``no_grad`` and forward-mode ``jvp``.
 
-A mixin of :class:`~tapeflow.Session` (kept apart so the session module stays
-small): :meth:`GradControls.register_hook` stores hooks that
+A mixin of :class:`~tapeflow.Session`, one layer below the session module
+(``docs/architecture.md``): :meth:`GradControls.register_hook` stores hooks that
 :meth:`Session.backward <tapeflow.Session.backward>` runs through
 :func:`tapeflow._backward.run_hooks`; :meth:`GradControls.no_grad` turns
 tracking off for a block; :meth:`GradControls.jvp` pushes tangents forward
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Self, cast
 
-from ._backward import Hook, run_hooks
+from ._backward import GraphHook, Hook, run_hooks
 from ._jvp import jvp_keys
 from ._params import Param, Storage
 from ._tape import Tape
@@ -65,7 +65,7 @@ class GradControls:
             raise TypeError(f"register_hook expects a function of the cotangent, got {type(fn).__name__}")
         return RemovableHandle(self._hooks.setdefault(h.id, []), fn)
 
-    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Any:
+    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Hook | GraphHook:
         """``fn`` as the sweep calls it: arrays in, checked arrays out; or, recording, ``(tape, id)`` in and out."""
         nd = self._tape[i]
         if not graph:
@@ -82,7 +82,7 @@ class GradControls:
         return call
 
     @contextlib.contextmanager
-    def no_grad(self) -> Iterator[Any]:
+    def no_grad(self) -> Iterator[Self]:
         """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
 
         >>> import jax.numpy as jnp, tapeflow as tfl

@@ -9,7 +9,7 @@ draws) is a :class:`KernelCache` registered here under a name, so
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ _max_size = DEFAULT_KERNEL_CACHE_SIZE = 4096
 _CACHES: dict[str, KernelCache] = {}
 
 
-class KernelCache(OrderedDict[Any, Any]):
+class KernelCache(OrderedDict[Hashable, Any]):
     """An LRU cache of kernels, counted as ``name`` by :func:`kernel_cache_info`; ``hit`` is a ``get``
     that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`."""
 
@@ -34,7 +34,7 @@ class KernelCache(OrderedDict[Any, Any]):
         self.opaque = opaque  # keys do not name their ops (interned structures): dropped whole by drop_kernels_of
         _CACHES[name] = self
 
-    def hit(self, key: Any) -> Any:
+    def hit(self, key: Hashable) -> Any:
         v = self.get(key)
         if v is not None:
             try:  # noqa: SIM105 (contextlib.suppress would cost a context manager per hit)
@@ -43,7 +43,7 @@ class KernelCache(OrderedDict[Any, Any]):
                 pass
         return v
 
-    def put(self, key: Any, value: Any) -> None:
+    def put(self, key: Hashable, value: Any) -> None:
         self[key] = value
         self.trim()
 

@@ -158,8 +158,12 @@ def dynamic_loss_scale(
     divides the gradients by it, and then either applies ``inner`` (all
     finite: after ``period`` such steps in a row the scale grows by ``factor``)
     or skips the step (zero updates, ``inner``'s state kept, the scale shrinks
-    by ``factor``, never below ``min_scale``). The skip is ``optax``'s own
-    logic; only the scale's schedule is added here.
+    by ``factor``, never below ``min_scale``; ``skipped`` counts these steps).
+    The skip is written here, not taken from ``optax.apply_if_finite`` (which
+    keeps no scale and applies updates again after ``max_consecutive_errors``
+    skips): one all-finite test over the unscaled gradients selects, with
+    ``jnp.where``, between ``inner.update`` on those gradients and the skip, so
+    a skipped step runs ``inner.update`` on zeros and discards its result.
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array([1.0, 2.0]))

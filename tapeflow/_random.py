@@ -17,7 +17,7 @@ The kernels live in the bounded LRU ``_KERNELS`` (``"random"`` in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -159,7 +159,7 @@ class RandomDraws:
         self._rng_counter += 1
         return k
 
-    def _random(self, method: str, kind: tuple[Any, ...], shape: int | tuple[int, ...], dtype: DTypeLike) -> Tensor:
+    def _random(self, method: str, kind: RandomKind, shape: int | tuple[int, ...], dtype: DTypeLike | None) -> Tensor:
         # every check before the draw: a rejected call advances no counter and records nothing
         self.check_thread()
         if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):

@@ -15,7 +15,7 @@ that work with structural pattern matching::
 
 from __future__ import annotations
 
-from typing import Any, Final, Generic, NoReturn, TypeVar
+from typing import Final, Generic, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class Ok(Generic[T]):
     def __init__(self, value: T) -> None:
         object.__setattr__(self, "value", value)
 
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
+    def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError("Ok is immutable")
 
     def unwrap(self) -> T:
@@ -77,7 +77,7 @@ class Err:
     def __init__(self, error: str) -> None:
         object.__setattr__(self, "error", str(error))
 
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
+    def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError("Err is immutable")
 
     def unwrap(self) -> NoReturn:

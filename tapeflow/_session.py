@@ -52,7 +52,6 @@ from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 __all__ = ["RationalFallbackWarning", "Session"]
 
 _BOOL = np.dtype(bool)
-_DEFAULTS = {"lazy": False}  # what Session(lazy=None) means (the test suite runs files under both)
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
@@ -128,7 +127,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         rng_key: PRNGKey | None = None,
         check_same_thread: bool = True,
         compute_dtype: DTypeLike | None = None,
-        lazy: bool | None = None,
+        lazy: bool = False,
     ) -> None:
         self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = resolve_device(device) if device is not None else default_device()
@@ -155,7 +154,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         self._constants: dict[tuple[Any, ...], Array] = {}
         self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
         self._state_log = StateLog()  # assign_state's writes in this recording
-        self._lazy = LazyRecording() if (_DEFAULTS["lazy"] if lazy is None else lazy) else None  # a lazy recording
+        self._lazy = LazyRecording() if lazy else None  # a lazy recording
         # a use of a Param records its storage's value as it is (no overrides, no subclass reading it differently)
         self._direct_params = param_values is None and type(self)._param_value is Session._param_value
 

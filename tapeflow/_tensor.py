@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _registry as R
 from . import _treescope
@@ -38,6 +39,7 @@ from ._result import TapeError
 from ._typing import Array, DTypeLike, NodeId, Shape
 
 if TYPE_CHECKING:
+    from ._backward import Hook
     from ._session import Session
     from ._tape import Node
 
@@ -52,8 +54,9 @@ __all__ = [
     "session_of",
 ]
 
-Operand = Any
-"""What an op accepts as an operand: a Tensor, a Param, a number or an array."""
+Operand: TypeAlias = "TensorOps | float | int | ArrayLike"
+"""What an op accepts as an operand: a Tensor or a Param (the two kinds of :class:`TensorOps`), a number or an array
+(nested lists too)."""
 
 
 class RemovableHandle:
@@ -67,9 +70,9 @@ class RemovableHandle:
 
     __slots__ = ("_fn", "_hooks")
 
-    def __init__(self, hooks: list[Any], fn: Any) -> None:
+    def __init__(self, hooks: list[Hook], fn: Hook) -> None:
         hooks.append(fn)
-        self._hooks: list[Any] | None = hooks
+        self._hooks: list[Hook] | None = hooks
         self._fn = fn
 
     def remove(self) -> None:
@@ -138,7 +141,7 @@ def pop_current(token: contextvars.Token[Session | None]) -> None:
 # --------------------------------------------------------------------------- the operator set
 
 
-def _varargs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _varargs(args: tuple[int | Sequence[int], ...]) -> tuple[int | Sequence[int], ...]:
     """``f(2, 3)`` and ``f((2, 3))`` both mean ``(2, 3)``."""
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         return tuple(args[0])
@@ -215,7 +218,7 @@ class TensorOps:
     def __ge__(self, o: Operand) -> Tensor:
         return apply("ge", self, o)
 
-    def __getitem__(self, idx: Any) -> Tensor:
+    def __getitem__(self, idx: object) -> Tensor:
         """Basic indexing records ``index``; an integer array or Tensor index records ``take`` along axis 0."""
         if isinstance(idx, (Tensor, np.ndarray, jax.Array, list)):
             return apply("take", self, idx, axis=0)
@@ -234,19 +237,19 @@ class TensorOps:
     def T(self) -> Tensor:
         return apply("transpose", self)
 
-    def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+    def sum(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
         return apply("sum", self, axis=axis, keepdims=keepdims)
 
-    def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+    def mean(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
         return apply("mean", self, axis=axis, keepdims=keepdims)
 
-    def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+    def max(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
         return apply("max", self, axis=axis, keepdims=keepdims)
 
-    def reshape(self, *shape: Any) -> Tensor:
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         return apply("reshape", self, shape=_varargs(shape))
 
-    def transpose(self, *axes: Any) -> Tensor:
+    def transpose(self, *axes: int | Sequence[int]) -> Tensor:
         axes = _varargs(axes)
         return apply("transpose", self, axes=axes if axes else None)
 
@@ -319,7 +322,7 @@ class Tensor(TensorOps):
         """The forward value (a ``jax.Array``; a NumPy object array for exact rationals)."""
         return self.node.value
 
-    def register_hook(self, fn: Any) -> RemovableHandle:
+    def register_hook(self, fn: Hook) -> RemovableHandle:
         """Call ``fn(cotangent)`` when a backward of this recording reaches this node.
 
         ``fn`` sees the node's complete cotangent (every use summed) before it
@@ -351,7 +354,7 @@ class Tensor(TensorOps):
     def item(self) -> Any:
         return self.numpy().item()
 
-    def __array__(self, dtype: DTypeLike = None, copy: bool | None = None) -> np.ndarray:
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         return np.asarray(self.value, dtype=dtype)
 
     def _scalar(self, what: str) -> np.ndarray:
@@ -458,7 +461,7 @@ def session_of(operands: tuple[Operand, ...] | list[Operand], opname: str) -> Se
     return s
 
 
-def apply(opname: str, *operands: Operand, **attrs: Any) -> Tensor:
+def apply(opname: str, *operands: Operand, **attrs: object) -> Tensor:
     """Record registered op ``opname`` on the operands' session and return the new handle.
 
     Operands may be :class:`Tensor` handles, :class:`~tapeflow.Param` s (each

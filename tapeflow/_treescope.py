@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ._registry import fmt_spec
@@ -77,7 +78,7 @@ class _Drawn:
         self.rendering = rendering
 
 
-def _treescope() -> Any:
+def _treescope() -> ModuleType | None:
     """The treescope module, imported on first use; None when it is not installed."""
     try:
         return importlib.import_module("treescope")
@@ -132,9 +133,9 @@ def module_ties(module: Module) -> list[tuple[int, list[str]]]:
 
 
 def _build(
-    ts: Any,
+    ts: ModuleType,
     obj: object,
-    fields: Iterable[tuple[str, Any]],
+    fields: Iterable[tuple[str, object]],
     path: str | None,
     subtree_renderer: Any,
     color: str | None = None,
@@ -184,7 +185,7 @@ def _build(
     )
 
 
-def _storage_color(ts: Any, uid: int) -> str:
+def _storage_color(ts: ModuleType, uid: int) -> str:
     return str(ts.formatting_util.color_from_string(f"tapeflow-storage-{uid}"))
 
 
@@ -193,7 +194,7 @@ def render_tape(tape: Tape, path: str | None, subtree_renderer: Any, limit: int 
     ts = _treescope()
     if ts is None:
         return NotImplemented
-    fields: list[tuple[str, Any]] = [("len", len(tape))]
+    fields: list[tuple[str, object]] = [("len", len(tape))]
     if tape.device is not None:
         fields.append(("device", _Note(str(tape.device))))
     fields += [("", _Note(line)) for line in node_lines(tape, limit)]
@@ -225,7 +226,7 @@ def render_session(s: Session, path: str | None, subtree_renderer: Any) -> Any:
     ts = _treescope()
     if ts is None:
         return NotImplemented
-    fields: list[tuple[str, Any]] = [
+    fields: list[tuple[str, object]] = [
         ("owner", s.owner),
         ("generation", s.generation),
         ("nodes", _Note(str(len(s.tape)))),
@@ -262,7 +263,7 @@ def render_tensor(h: Tensor, path: str | None, subtree_renderer: Any) -> Any:
     ts = _treescope()
     if ts is None:
         return NotImplemented
-    fields: list[tuple[str, Any]] = [
+    fields: list[tuple[str, object]] = [
         ("shape", h.shape),
         ("dtype", _Note(str(h.dtype))),
         ("id", h.id),
@@ -314,7 +315,7 @@ def render_param(p: Param, path: str | None, subtree_renderer: Any) -> Any:
     ts = _treescope()
     if ts is None:
         return NotImplemented
-    fields: list[tuple[str, Any]] = [
+    fields: list[tuple[str, object]] = [
         ("name", p.name),
         ("shape", p.shape),
         ("dtype", _Note(str(p.dtype))),
@@ -329,7 +330,7 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _holds_parameters(v: Any, depth: int = 0) -> bool:
+def _holds_parameters(v: object, depth: int = 0) -> bool:
     if hasattr(v, "parameter_records") or hasattr(v, "storage"):
         return True
     if depth < 8 and isinstance(v, dict):
@@ -351,7 +352,7 @@ def render_module(m: Module, path: str | None, subtree_renderer: Any) -> Any:
     ts = _treescope()
     if ts is None:
         return NotImplemented
-    fields: list[tuple[str, Any]] = [
+    fields: list[tuple[str, object]] = [
         (k, v) for k, v in vars(m).items() if not k.startswith("_") or _holds_parameters(v)
     ]
     params = m.parameters()

@@ -45,11 +45,12 @@ def lazy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Run a test twice: with eager sessions, then with every ``tfl.Session()`` lazy (``Session(lazy=True)``).
 
     Test modules opt in with ``pytestmark = pytest.mark.usefixtures("lazy_mode")``; a session
-    created with an explicit ``lazy=`` keeps it.
+    created with an explicit ``lazy=`` keeps it. The switch is the default of ``Session``'s
+    keyword-only ``lazy`` parameter, so the library holds no test-only setting.
     """
-    from tapeflow import _session
+    import tapeflow
 
-    monkeypatch.setitem(_session._DEFAULTS, "lazy", request.param)
+    monkeypatch.setitem(tapeflow.Session.__init__.__kwdefaults__, "lazy", request.param)
     return bool(request.param)
 
 
@@ -58,9 +59,9 @@ def _lazy_everywhere() -> None:
     import os
 
     if os.environ.get("TAPEFLOW_TEST_LAZY") == "1":
-        from tapeflow import _session
+        import tapeflow
 
-        _session._DEFAULTS["lazy"] = True
+        tapeflow.Session.__init__.__kwdefaults__["lazy"] = True
 
 
 _lazy_everywhere()

@@ -111,7 +111,7 @@ def test_non_default_cpu_device_in_subprocess(lazy):
 
 def _lazy_default(lazy: bool) -> str:
     """A preamble that makes every ``tfl.Session()`` of the script lazy (or leaves them eager)."""
-    return f"import tapeflow._session\ntapeflow._session._DEFAULTS['lazy'] = {lazy}\n"
+    return f"import tapeflow\ntapeflow.Session.__init__.__kwdefaults__['lazy'] = {lazy}\n"
 
 
 SHARDED_SCRIPT = textwrap.dedent(

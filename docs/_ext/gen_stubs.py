@@ -27,12 +27,12 @@ SOURCES: dict[str, str] = {
     "ArrayLike": "numpy.typing",
     "DTypeLike": "numpy.typing",
     "AttrValue": "._typing",
+    "Operand": "._tensor",
     "Tensor": "." + Tensor.__module__.rpartition(".")[2],
     "Param": "." + Param.__module__.rpartition(".")[2],
     **{name: "._registry" for name in R.ATTR_TYPES},
 }
-LOCAL = {"Operand"}  # defined in the stub itself
-ALWAYS = {"ArrayLike", "Tensor", "Param"}  # used by the Operand alias
+ALWAYS = {"Operand", "Tensor"}  # every op function takes an Operand and returns a Tensor
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 WIDTH = 100
 
@@ -49,7 +49,7 @@ def _annotation(fn: Callable[..., object], ann: object, used: set[str]) -> str:
     for name in NAME.findall(text):
         if name in SOURCES:
             used.add(name)
-        elif name not in LOCAL and not hasattr(builtins, name):
+        elif not hasattr(builtins, name):
             raise ValueError(
                 f"{fn.__name__}: annotation {text!r} uses {name!r}, which the stub cannot import; "
                 f"annotate op attributes with builtins or {sorted(SOURCES)}"
@@ -113,17 +113,13 @@ def render() -> str:
     third = [m for m in by_module if not m.startswith(".") and m not in std]
     local = [m for m in by_module if m.startswith(".")]
     blocks = [
-        ["from typing import TypeAlias"] + [f"from {m} import {', '.join(by_module[m])}" for m in sorted(std)],
+        [f"from {m} import {', '.join(by_module[m])}" for m in sorted(std)],
         [f"from {m} import {', '.join(by_module[m])}" for m in sorted(third)],
         [f"from {m} import {', '.join(by_module[m])}" for m in sorted(local)],
     ]
     imports = "\n\n".join("\n".join(sorted(b)) for b in blocks if b)
-    operand = (
-        "Operand: TypeAlias = Tensor | Param | float | int | ArrayLike\n"
-        '"""What an op accepts as an operand: a Tensor, a Param, a number or an array."""\n'
-    )
     all_ = "__all__ = [\n" + "".join(f'    "{n}",\n' for n in F.__all__) + "]\n"
-    return HEADER + imports + "\n\n" + operand + "\n" + all_ + "\n\n" + "\n\n".join(defs)
+    return HEADER + imports + "\n\n" + all_ + "\n\n" + "\n\n".join(defs)
 
 
 def main() -> None:

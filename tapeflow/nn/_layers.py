@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _functions as F
 from .._checks import int_pair, is_int
 from .._params import Param, tie
-from .._tensor import Tensor
+from .._registry import Padding, Pair
+from .._tensor import Operand, Tensor
+from .._typing import Array, DTypeLike, PRNGKey
 from ._module import Module
 
 __all__ = [
@@ -35,11 +38,11 @@ __all__ = [
 ]
 
 
-def _uniform(key: Any, shape: tuple[int, ...], bound: float, dtype: Any) -> Any:
+def _uniform(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLike) -> Array:
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def _check_key(key: Any, cls: str) -> None:
+def _check_key(key: PRNGKey | None, cls: str) -> None:
     if key is None:
         raise TypeError(f"{cls}: pass key=jax.random.key(...) (initialization is always explicitly seeded)")
 
@@ -59,7 +62,7 @@ class Linear(Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, key: Any, bias: bool = True, dtype: Any = jnp.float32
+        self, in_features: int, out_features: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
     ) -> None:
         _check_key(key, "Linear")
         self.in_features = int(in_features)
@@ -69,7 +72,7 @@ class Linear(Module):
         self.weight = Param(_uniform(kw, (self.in_features, self.out_features), bound, dtype), name="weight")
         self.bias = Param(_uniform(kb, (self.out_features,), bound, dtype), name="bias") if bias else None
 
-    def forward(self, x: Any) -> Tensor:
+    def forward(self, x: Operand) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -98,7 +101,7 @@ class TiedLinear(Module):
             raise TypeError(f"TiedLinear expects a Param, got {type(weight).__name__}")
         self.weight = weight
 
-    def forward(self, h: Any) -> Tensor:
+    def forward(self, h: Operand) -> Tensor:
         return F.matmul(h, F.transpose(self.weight))
 
     def extra_repr(self) -> str:
@@ -123,17 +126,19 @@ class Embedding(Module):
     ((1, 3, 4), (1, 3, 10))
     """
 
-    def __init__(self, num_embeddings: int, dim: int, *, key: Any, std: float = 1.0, dtype: Any = jnp.float32) -> None:
+    def __init__(
+        self, num_embeddings: int, dim: int, *, key: PRNGKey, std: float = 1.0, dtype: DTypeLike = jnp.float32
+    ) -> None:
         _check_key(key, "Embedding")
         self.num_embeddings = int(num_embeddings)
         self.dim = int(dim)
         w = jax.random.normal(key, (self.num_embeddings, self.dim), dtype) * jnp.asarray(std, dtype)
         self.weight = Param(w, name="weight")
 
-    def forward(self, ids: Any) -> Tensor:
+    def forward(self, ids: Operand) -> Tensor:
         return F.take(self.weight, ids, axis=0)
 
-    def attend(self, h: Any) -> Tensor:
+    def attend(self, h: Operand) -> Tensor:
         """``h @ weight.T``: logits over the table's rows."""
         return F.matmul(h, F.transpose(self.weight))
 
@@ -163,7 +168,7 @@ class LayerNorm(Module):
         eps: float = 1e-5,
         *,
         elementwise_affine: bool = True,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         self.shape = (int(cast(int, shape)),) if is_int(shape) else tuple(int(d) for d in cast(Sequence[int], shape))
         self.eps = float(eps)
@@ -173,7 +178,7 @@ class LayerNorm(Module):
         else:
             self.weight = self.bias = None
 
-    def forward(self, x: Any) -> Tensor:
+    def forward(self, x: Operand) -> Tensor:
         axis = tuple(range(-len(self.shape), 0))
         return F.layer_norm(x, self.weight, self.bias, axis=axis if len(axis) > 1 else -1, eps=self.eps)
 
@@ -204,7 +209,7 @@ class Dropout(Module):
             raise ValueError(f"Dropout: rate must be in [0, 1), got {rate}")
         self.rate = float(rate)
 
-    def forward(self, x: Any, training: bool | None = None) -> Tensor:
+    def forward(self, x: Tensor, training: bool | None = None) -> Tensor:
         if training is None and not self.training:
             training = False  # eval mode; in train mode (None) the session decides, as for tfl.dropout
         return F.dropout(x, self.rate, training=training)
@@ -234,12 +239,12 @@ class Conv2d(Module):
         out_channels: int,
         kernel_size: int | tuple[int, int],
         *,
-        key: Any,
-        stride: Any = 1,
-        padding: Any = 0,
-        dilation: Any = 1,
+        key: PRNGKey,
+        stride: Pair = 1,
+        padding: Padding = 0,
+        dilation: Pair = 1,
         bias: bool = True,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         _check_key(key, "Conv2d")
         self.in_channels = int(in_channels)
@@ -258,7 +263,7 @@ class Conv2d(Module):
         self.weight = Param(_uniform(k1, (self.out_channels, self.in_channels, kh, kw), bound, dtype), name="weight")
         self.bias = Param(_uniform(k2, (self.out_channels,), bound, dtype), name="bias") if bias else None
 
-    def forward(self, x: Any) -> Tensor:
+    def forward(self, x: Operand) -> Tensor:
         return F.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation)
 
     def extra_repr(self) -> str:
@@ -286,7 +291,14 @@ class MultiHeadAttention(Module):
     """
 
     def __init__(
-        self, dim: int, num_heads: int, *, key: Any, causal: bool = False, bias: bool = True, dtype: Any = jnp.float32
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        key: PRNGKey,
+        causal: bool = False,
+        bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         _check_key(key, "MultiHeadAttention")
         if dim % num_heads:
@@ -307,12 +319,13 @@ class MultiHeadAttention(Module):
         b = len(lead)
         return F.permute(t, tuple(range(b)) + (b + 1, b, b + 2))
 
-    def forward(self, x: Any, context: Any = None, mask: Any = None) -> Tensor:
+    def forward(self, x: Operand, context: Operand | None = None, mask: Tensor | ArrayLike | None = None) -> Tensor:
         kv_in = x if context is None else context
-        q = self._heads(self.q_proj(x))
+        xq = self.q_proj(x)  # the rank of x
+        q = self._heads(xq)
         k = self._heads(self.k_proj(kv_in))
         v = self._heads(self.v_proj(kv_in))
-        if mask is not None and len(np.shape(mask)) == len(x.shape) and len(x.shape) >= 3:
+        if mask is not None and len(np.shape(mask)) == xq.ndim and xq.ndim >= 3:
             mask = F.expand_dims(mask, -3) if isinstance(mask, Tensor) else jnp.expand_dims(jnp.asarray(mask), -3)
         o = F.attention(q, k, v, mask, causal=self.causal)  # (..., H, Lq, Dh)
         b = o.ndim - 3
@@ -340,13 +353,13 @@ class Sequential(Module):
     (2, 1)
     """
 
-    def __init__(self, *modules: Callable[..., Any]) -> None:
+    def __init__(self, *modules: Callable[..., Operand]) -> None:
         for i, m in enumerate(modules):
             if not callable(m):
                 raise TypeError(f"Sequential: entry {i} ({type(m).__name__}) is not callable")
         self.layers = list(modules)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Operand) -> Operand:
         for m in self.layers:
             x = m(x)
         return x
@@ -354,13 +367,13 @@ class Sequential(Module):
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __iter__(self) -> Iterator[Callable[..., Any]]:
+    def __iter__(self) -> Iterator[Callable[..., Operand]]:
         return iter(self.layers)
 
-    def __getitem__(self, i: int) -> Callable[..., Any]:
+    def __getitem__(self, i: int) -> Callable[..., Operand]:
         return self.layers[i]
 
-    def _repr_children(self) -> list[tuple[str, Any]]:
+    def _repr_children(self) -> list[tuple[str, object]]:
         return [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
 
 
@@ -380,10 +393,10 @@ class MLP(Module):
         self,
         sizes: Sequence[int],
         *,
-        key: Any,
-        activation: Callable[[Any], Any] = F.relu,
+        key: PRNGKey,
+        activation: Callable[[Tensor], Tensor] = F.relu,
         bias: bool = True,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         _check_key(key, "MLP")
         sizes = [int(s) for s in sizes]
@@ -393,13 +406,11 @@ class MLP(Module):
         self.activation = activation
         self.layers = [Linear(a, b, key=k, bias=bias, dtype=dtype) for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
 
-    def forward(self, x: Any) -> Tensor:
-        n = len(self.layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < n - 1:
-                x = self.activation(x)
-        return x
+    def forward(self, x: Operand) -> Tensor:
+        h: Tensor = self.layers[0](x)
+        for layer in self.layers[1:]:
+            h = layer(self.activation(h))
+        return h
 
     def extra_repr(self) -> str:
         act = getattr(self.activation, "__name__", repr(self.activation))

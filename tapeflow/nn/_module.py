@@ -25,7 +25,7 @@ from .._state import note_mode_read
 __all__ = ["Module"]
 
 
-def _items(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+def _items(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
     """``(path, obj)`` for each Param / Module inside ``obj`` (containers flattened)."""
     if isinstance(obj, (Param, Module)):
         yield prefix, obj
@@ -109,7 +109,7 @@ class Module:
         return self.forward(*args, **kwargs)
 
     # -- discovery ---------------------------------------------------------------
-    def _direct(self) -> Iterator[tuple[str, Any]]:
+    def _direct(self) -> Iterator[tuple[str, Param | Module]]:
         """Direct Params and sub-Modules, ``(relative path, obj)``, in attribute order."""
         for name, value in list(vars(self).items()):
             yield from _items(value, name)
@@ -181,7 +181,7 @@ class Module:
         """The text inside ``ClassName(...)`` on the first line of the repr."""
         return ""
 
-    def _repr_children(self) -> list[tuple[str, Any]]:
+    def _repr_children(self) -> list[tuple[str, object]]:
         return list(self._direct())
 
     def _repr_lines(self, path: str, seen: dict[int, str]) -> list[str]:

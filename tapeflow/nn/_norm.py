@@ -16,8 +16,9 @@ inside its compiled program (see ``docs/concepts.md``, "Modes and state").
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,6 +27,7 @@ from .._params import Param
 from .._registry import is_float
 from .._result import TapeError
 from .._tensor import Tensor, session_of
+from .._typing import DTypeLike
 from ._module import Module
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ class _BatchNorm(Module):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        dtype: Any = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         name = type(self).__name__
         if int(num_features) < 1:
@@ -73,7 +75,7 @@ class _BatchNorm(Module):
             self.running_var = Param(jnp.ones(c, dtype), name="running_var", trainable=False)
             self.num_batches_tracked = Param(jnp.zeros((), jnp.int32), name="num_batches_tracked", trainable=False)
 
-    def _check(self, x: Any) -> tuple[int, ...]:
+    def _check(self, x: Tensor | jax.Array) -> tuple[int, ...]:
         shape = tuple(np.shape(x))
         name = type(self).__name__
         if len(shape) not in self._ranks:
@@ -86,7 +88,7 @@ class _BatchNorm(Module):
             raise TapeError(f"{name}: input has dtype {x.dtype}, expected a floating dtype; cast it with tfl.astype")
         return shape
 
-    def forward(self, x: Any, training: bool | None = None) -> Tensor:
+    def forward(self, x: Tensor | jax.Array, training: bool | None = None) -> Tensor:
         """Normalize ``x``; ``training`` (default: the module's mode and the session's ``grad_enabled``) forces a behaviour."""
         shape = self._check(x)
         s = session_of((x,), type(self).__name__)

@@ -15,7 +15,6 @@ sequence with a Python loop.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +23,14 @@ import numpy as np
 from .. import _functions as F
 from .._params import Param
 from .._result import TapeError
-from .._tensor import Tensor, session_of
+from .._tensor import Operand, Tensor, session_of
+from .._typing import DTypeLike, PRNGKey
 from ._module import Module
 
 __all__ = ["GRUCell", "LSTMCell"]
 
 
-def _spec(v: Any) -> tuple[tuple[int, ...], np.dtype]:
+def _spec(v: Operand) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype of an operand without recording it."""
     if isinstance(v, (Tensor, Param)):
         return tuple(v.shape), np.dtype(v.dtype)
@@ -43,7 +43,7 @@ class _Cell(Module):
 
     _gates = 0  # G: how many hidden-size blocks the weights stack
 
-    def __init__(self, input_size: int, hidden_size: int, *, key: Any, bias: bool, dtype: Any) -> None:
+    def __init__(self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool, dtype: DTypeLike) -> None:
         name = type(self).__name__
         if key is None:
             raise TypeError(f"{name}: pass key=jax.random.key(...) (initialization is always explicitly seeded)")
@@ -55,7 +55,7 @@ class _Cell(Module):
         bound = 1.0 / math.sqrt(self.hidden_size)
         k1, k2, k3, k4 = jax.random.split(key, 4)
 
-        def init(k: Any, shape: tuple[int, ...], pname: str) -> Param:
+        def init(k: PRNGKey, shape: tuple[int, ...], pname: str) -> Param:
             return Param(jax.random.uniform(k, shape, dtype, -bound, bound), name=pname)
 
         self.weight_ih = init(k1, (g, self.input_size), "weight_ih")
@@ -63,7 +63,7 @@ class _Cell(Module):
         self.bias_ih: Param | None = init(k3, (g,), "bias_ih") if bias else None
         self.bias_hh: Param | None = init(k4, (g,), "bias_hh") if bias else None
 
-    def _check_input(self, x: Any) -> tuple[tuple[int, ...], np.dtype]:
+    def _check_input(self, x: Operand) -> tuple[tuple[int, ...], np.dtype]:
         shape, dtype = _spec(x)
         if len(shape) not in (1, 2) or shape[-1] != self.input_size:
             raise TapeError(
@@ -72,7 +72,7 @@ class _Cell(Module):
             )
         return shape, dtype
 
-    def _state(self, what: str, v: Any, x_shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def _state(self, what: str, v: Operand | None, x_shape: tuple[int, ...], dtype: np.dtype) -> Operand:
         """``v`` after checking its shape against ``x``'s; zeros of that shape when ``v`` is None."""
         want = x_shape[:-1] + (self.hidden_size,)
         if v is None:
@@ -89,7 +89,7 @@ class _Cell(Module):
         """dtype of a default zero state: the input's when it is floating, else the weights'."""
         return x_dtype if jnp.issubdtype(x_dtype, jnp.floating) else np.dtype(self.weight_ih.dtype)
 
-    def _project(self, v: Any, w: Param, b: Param | None) -> Tensor:
+    def _project(self, v: Operand, w: Param, b: Param | None) -> Tensor:
         """``v @ w.T + b``: one gate pre-activation block of shape ``(..., G * hidden_size)``."""
         return F.linear(v, F.transpose(w), b)
 
@@ -139,11 +139,11 @@ class GRUCell(_Cell):
     _gates = 3
 
     def __init__(
-        self, input_size: int, hidden_size: int, *, key: Any, bias: bool = True, dtype: Any = jnp.float32
+        self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
     ) -> None:
         super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
 
-    def forward(self, x: Any, state: Any = None) -> Tensor:
+    def forward(self, x: Operand, state: Operand | None = None) -> Tensor:
         x_shape, dtype = self._check_input(x)
         h = self._state("state", state, x_shape, self._zeros_dtype(dtype))
         with session_of((x, h), "GRUCell").as_current():
@@ -191,11 +191,11 @@ class LSTMCell(_Cell):
     _gates = 4
 
     def __init__(
-        self, input_size: int, hidden_size: int, *, key: Any, bias: bool = True, dtype: Any = jnp.float32
+        self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
     ) -> None:
         super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
 
-    def forward(self, x: Any, state: Any = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Operand, state: tuple[Operand, Operand] | None = None) -> tuple[Tensor, Tensor]:
         x_shape, dtype = self._check_input(x)
         zdt = self._zeros_dtype(dtype)
         if state is None:
