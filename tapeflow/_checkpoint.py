@@ -33,7 +33,8 @@ import hashlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -69,6 +70,7 @@ from ._checkpoint_meta import (
     StorageEntry,
     bad_meta,
 )
+from ._commit import commit
 from ._device import default_device, device_of
 from ._params import Param, canonical_indices
 
@@ -519,6 +521,8 @@ def restore(
     first one and nothing changes. Then each parameter storage is written once,
     ``optimizer.state`` is replaced and the session's seed and RNG counter are set.
     """
+    if session is not None:
+        session.check_thread()  # first: the RNG state is set together with the parameters
     path = _recover(os.path.abspath(os.fspath(path)))
     names, regs, keyed = _registrations(params_or_module)
     meta = _load_meta(path)
@@ -541,11 +545,17 @@ def restore(
         )
     got = _read_arrays(path, wanted)
 
-    # -- everything checked: install ---------------------------------------------
-    for s in meta.storages:
-        regs[s.registration].storage.write(got[s.key])
+    # -- everything checked: install, as one unit (nothing is written if any write is refused) -----------
+    then: list[Callable[[], None]] = []
     if optimizer is not None and opt_plan is not None:
         om, opt_treedef = opt_plan
-        optimizer.state = jax.tree_util.tree_unflatten(opt_treedef, [got[lm.key] for lm in om.leaves])
+        new_state = jax.tree_util.tree_unflatten(opt_treedef, [got[lm.key] for lm in om.leaves])
+        then.append(partial(setattr, optimizer, "state", new_state))
     if session is not None and rng is not None:
-        session.set_rng_state(seed=rng.seed, counter=rng.rng_counter)
+        then.append(partial(session.set_rng_state, seed=rng.seed, counter=rng.rng_counter))
+    commit(
+        [(regs[s.registration].storage, got[s.key]) for s in meta.storages],
+        where="restore",
+        label=lambda k: f"parameter {_reg_label(meta.storages[k].registration, names)}",
+        then=then,
+    )

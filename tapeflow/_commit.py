@@ -32,6 +32,7 @@ example: cannot write a float32[3] value into <Storage #... float32[2]>
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +41,11 @@ import numpy as np
 from . import _registry as R
 from ._device import device_of
 from ._interrupts import deferred_interrupts
-from ._params import Storage
 from ._result import TapeError
 from ._typing import Array, ArrayLike
+
+if TYPE_CHECKING:
+    from ._params import Storage  # commit sits below _params: Param.value writes through it
 
 __all__ = ["StateWriteError", "check_write", "commit"]
 
@@ -135,7 +138,7 @@ def commit(
     with deferred_interrupts():
         fast = len(olds)
         if fast:
-            Storage.write_current_many([st for st, _ in checked[:fast]], [v for _, v in checked[:fast]])
+            type(checked[0][0]).write_current_many([st for st, _ in checked[:fast]], [v for _, v in checked[:fast]])
         for st, v in checked[fast:]:
             st.write(v, on_device=True)
         for f in setters:

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _registry as R
 from . import _treescope
+from ._commit import commit
 from ._device import device_of
 from ._result import TapeError
 from ._tensor import RemovableHandle, TensorOps
@@ -336,7 +337,7 @@ class Param(TensorOps):
                 f"{self!r} is a read-only view rebuilt by a JAX transformation; assign to the original Param "
                 "(or let tfl.train_step / Optimizer.step write the storage)"
             )
-        self.storage.write(new)
+        commit([(self.storage, new)], where="Param.value", label=lambda _: repr(self))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._commit import commit
 from ._grads import Grads
-from ._interrupts import deferred_interrupts
 from ._params import Param, Storage
 from ._result import TapeError
 from ._tensor import Tensor
@@ -112,17 +112,14 @@ class StateLog:
     def write(self, st: Storage, v: Array, *, eager: bool) -> None:
         """Note ``v`` as the new value of ``st``; ``eager`` also writes the storage, remembering the old value."""
         if eager:
-            self.old.setdefault(st, st.read_current())
-            st.write(v, on_device=True)
+            old = st.read_current()
+            commit([(st, v)], where="assign_state")
+            self.old.setdefault(st, old)
         self.new[st] = v
 
     def undo(self) -> None:
         """Put back the values the eager writes replaced (one unit, Ctrl-C held off), and forget the writes."""
-        with deferred_interrupts():
-            for st, v in self.old.items():
-                st.write(v, on_device=True)
-            self.old.clear()
-            self.new.clear()
+        commit(self.old.items(), where="StateLog.undo", then=[self.old.clear, self.new.clear])
 
     def commit(self) -> None:
         """Make the writes final: a later failure no longer undoes them."""

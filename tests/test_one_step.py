@@ -31,7 +31,9 @@ def _run(path: str, loss_fn, opt: tfl.Optimizer, steps: list | None = None) -> N
 
 
 def _snapshot(params, opt):
-    return [np.asarray(p.value).copy() for p in params], [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(opt.state)]
+    return [np.asarray(p.value).copy() for p in params], [
+        np.asarray(x).copy() for x in jax.tree_util.tree_leaves(opt.state)
+    ]
 
 
 def _same(a, b) -> None:

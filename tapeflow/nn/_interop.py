@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._interrupts import deferred_interrupts
+from .._commit import commit
 from .._params import Param, Storage
 from .._registry import fmt_spec
 from ._layers import Conv2d, Embedding, LayerNorm, Linear, MultiHeadAttention, Sequential, TiedLinear
@@ -227,7 +227,7 @@ def _records(module: Module, fw: Framework) -> list[_Rec]:
                     _Rec(prefix + e.key, tuple(p for p in ps if p is not None), e.layout, e.layout.ctx(m), where)
                 )
         strip = rule.torch_strip if fw == "torch" else ""
-        for name, obj in m._direct():
+        for name, obj in m.named_members():
             if isinstance(obj, Param):
                 if name not in named:
                     out.append(_Rec(prefix + name, (obj,), SAME, None, where))
@@ -419,9 +419,7 @@ def _load(
             + "\n  ".join(dict.fromkeys(errors))
         )
     new = [(st, jnp.asarray(np.array(v, dtype=st.dtype))) for st, (v, _, _) in fills.items()]  # copies: no aliasing
-    with deferred_interrupts():
-        for st, value in new:
-            st.write(value)
+    commit(new, where=f"load the {_FRAMEWORKS[fw]} weights into {type(module).__name__}")
     return IncompatibleKeys(missing, unexpected)
 
 
