@@ -83,6 +83,7 @@ from ._params import Param, Storage, canonical_indices, tie
 from ._precision import dynamic_loss_scale
 from ._registry import REGISTRY, OpDef, ops
 from ._remat import checkpoint
+from ._commit import StateWriteError
 from ._result import Err, Ok, Result, TapeError
 from ._session import RationalFallbackWarning, Session
 from ._tape import Node, Tape, keep_tape_on_error, leaf, record
@@ -105,6 +106,7 @@ __all__ = [
     "RemovableHandle",
     "Result",
     "Session",
+    "StateWriteError",
     "Storage",
     "Tape",
     "TapeError",

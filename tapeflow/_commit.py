@@ -51,7 +51,16 @@ __all__ = ["StateWriteError", "check_write", "commit"]
 
 
 class StateWriteError(TapeError):
-    """A state write was refused before anything changed (a tracer, or a value of the wrong shape or dtype)."""
+    """A state write was refused before anything changed (a tracer, or a value of the wrong shape or dtype).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.zeros(2), name="w")
+    >>> try:
+    ...     w.value = jnp.zeros(3)
+    ... except tfl.StateWriteError as e:
+    ...     print(type(e).__mro__[1].__name__, w.value.shape)
+    TapeError (2,)
+    """
 
 
 def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = None) -> Array | np.ndarray:
