@@ -98,7 +98,7 @@ def _zeros(nd: Node) -> Array:
 def root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int, Array]:
     """Validate ``root`` (a node id or ``Ok``) and ``seed``; the seed defaults to 1 for a scalar root."""
     root = node_id(tape, root, "backward", "root")
-    rnode = tape._buf.nodes[root]
+    rnode = tape[root]
     if seed is None:
         if rnode.shape != ():
             raise TapeError(
@@ -123,7 +123,7 @@ def root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int
 def _wanted(tape: Tape, wrt: Iterable[NodeId] | None) -> set[int] | None:
     if wrt is None:
         return None
-    n, want = tape._n, set()
+    n, want = len(tape), set()
     for w in wrt:
         if not is_int(w) or not 0 <= int(w) < n:
             raise TapeError(f"backward: wrt id {w!r} is out of range for a tape of {n} node(s)")
@@ -216,7 +216,7 @@ def backward(
     """
     root, seed_v = root_and_seed(tape, root, seed)
     want = _wanted(tape, wrt)
-    nodes = tape._buf.nodes
+    nodes = list(tape.nodes)  # a list: the sweep reads each node several times
 
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
         parents = nd.parents
@@ -298,7 +298,7 @@ def backward_graph(
     root, seed_v = root_and_seed(tape, root, seed)
     want = _wanted(tape, wrt)
     t, seed_id = leaf(tape, seed_v)
-    nodes = tape._buf.nodes  # the sweep reads only nodes up to root, all in the original tape
+    nodes = list(tape.nodes)  # the original tape's, as a list: the sweep reads each node several times, none it records
 
     def pull(i: int, nd: Node, g: int, mask: tuple[bool, ...]) -> Sequence[int]:
         nonlocal t

@@ -63,7 +63,7 @@ def _parameters(d: OpDef) -> list[inspect.Parameter]:
                 params.append(_P(n, _P.POSITIONAL_OR_KEYWORD, default=None, annotation="Operand | None"))
             else:
                 params.append(_P(n, _P.POSITIONAL_OR_KEYWORD, annotation="Operand"))
-    kind: inspect._ParameterKind = _P.POSITIONAL_OR_KEYWORD
+    kind = _P.POSITIONAL_OR_KEYWORD
     for name, default in d.defaults.items():
         ann = d.attr_types[name]
         if default is REQUIRED:

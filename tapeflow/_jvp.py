@@ -126,7 +126,7 @@ def jvp(tape: Tape, root: NodeId, tangents: Mapping[NodeId, ArrayLike]) -> Array
     [3.0, 4.0]
     """
     root = node_id(tape, root, "jvp", "root")
-    nodes = tape._buf.nodes
+    nodes = list(tape.nodes)  # a list: _push reads each node several times
     seeds: dict[int, Array] = {}
     for k, v in tangents.items():
         i = node_id(tape, k, "jvp", "a tangent key")
@@ -150,7 +150,7 @@ def jvp_groups(tape: Tape, root: NodeId, groups: Iterable[TangentGroup]) -> Arra
     4.0
     """
     root = node_id(tape, root, "jvp", "root")
-    nodes = tape._buf.nodes
+    nodes = list(tape.nodes)  # a list: _push reads each node several times
     seeds: dict[int, Array] = {}
     given: dict[int, str] = {}
     for group, v, what, spec in groups:

@@ -46,7 +46,7 @@ from . import _registry as R
 from ._backward import backward as tape_backward
 from ._kernels import KernelCache
 from ._result import TapeError
-from ._tape import PENDING, Tape, with_values
+from ._tape import PENDING, Tape, fill_pending, with_values
 from ._typing import Array, NodeId, OptState
 
 __all__ = ["LazyGrads", "LazyRecording", "materialize"]
@@ -88,9 +88,8 @@ class LazyRecording:
 
     def structure(self, tape: Tape) -> tuple[int, ...]:
         """The interned structure of ``tape`` (each node keyed once, when first seen)."""
-        keys, nodes, n = self.keys, tape._buf.nodes, tape._n
-        for i in range(len(keys), n):
-            nd = nodes[i]
+        keys, n = self.keys, len(tape)
+        for nd in tape.nodes[len(keys) :]:
             keys.append(_intern((nd.op, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
         return tuple(keys) if len(keys) == n else tuple(keys[:n])
 
@@ -99,9 +98,8 @@ def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
     """The pending node ids of ``tape`` and the values of all the others, in node order."""
     pending: list[NodeId] = []
     given: list[Array] = []
-    nodes = tape._buf.nodes
-    for i in range(tape._n):
-        v = nodes[i].value
+    for i, nd in enumerate(tape.nodes):
+        v = nd.value
         if v is PENDING:
             pending.append(i)
         else:
@@ -111,11 +109,10 @@ def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
 
 def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
     """Inside a trace: a tape like ``tape`` whose pending nodes are computed from ``given`` (the other values)."""
-    src = tape._buf.nodes
+    src = tape.nodes
     values: list[Array] = []
     it = iter(given)
-    for i in range(tape._n):
-        nd = src[i]
+    for i, nd in enumerate(src):
         if i in pending:
             assert nd.op is not None
             entry = R.get_fwd(nd.op, nd.attrs, tuple([src[p].spec for p in nd.parents]))
@@ -129,7 +126,7 @@ def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> T
 
 def _skeleton(tape: Tape) -> Tape:
     """``tape`` without values (a program keeps only the structure, never the first call's arrays)."""
-    return with_values(tape, [None] * tape._n)
+    return with_values(tape, [None] * len(tape))
 
 
 def _program(key: tuple[Any, ...], build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
@@ -144,7 +141,7 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
     """Compute every pending node of ``tape`` with one compiled forward program; store the values in the nodes.
 
     Nodes are shared by every tape value that contains them, so a value is
-    computed once and then read like an eager one.
+    computed once (:func:`~tapeflow._tape.fill_pending`) and then read like an eager one.
     """
     pending, given = _split(tape)
     if not pending:
@@ -155,15 +152,13 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
         skel, pend = _skeleton(tape), frozenset(pending)
 
         def forward(given: list[Array]) -> list[Array]:
-            nodes = _replay(skel, pend, given)._buf.nodes
-            return [nodes[i].value for i in pending]
+            replayed = _replay(skel, pend, given)
+            return [replayed[i].value for i in pending]
 
         return jax.jit(forward)
 
     outs = _program(("forward", struct, pending), build)(given)
-    nodes = tape._buf.nodes
-    for i, v in zip(pending, outs):
-        nodes[i].value = v
+    fill_pending(tape, pending, outs)
 
 
 def _gradients(
@@ -171,7 +166,7 @@ def _gradients(
 ) -> tuple[dict[NodeId, Array], Array]:
     """Inside a trace: the pending forward, then the reverse sweep; ``({id: cotangent}, root value)``."""
     t = _replay(skel, pend, given)
-    return tape_backward(t, root, seed=seed, wrt=ids), t._buf.nodes[root].value
+    return tape_backward(t, root, seed=seed, wrt=ids), t[root].value
 
 
 class LazyGrads:
@@ -193,9 +188,7 @@ class LazyGrads:
         return (kind, self.struct, pending, self.root, self.ids, seed, *extra)
 
     def _set_root(self, value: Array) -> None:
-        nd = self.tape._buf.nodes[self.root]
-        if nd.value is PENDING:
-            nd.value = value
+        fill_pending(self.tape, (self.root,), (value,))  # kept only while the root still waits for it
 
     def _gradients_fn(self, pending: tuple[NodeId, ...]) -> Callable[..., tuple[list[Array], Array]]:
         skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids

@@ -45,7 +45,7 @@ from ._precision import Precision, cast_operands
 from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
 from ._result import Err, TapeError
 from ._state import StateLog, StateWrites
-from ._tape import PENDING, Node, Tape, append_op, check_op, leaf
+from ._tape import PENDING, Node, Tape, append_node, append_op, check_op, fill_pending, leaf
 from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 
@@ -56,10 +56,14 @@ _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
 
-def _read_host_input(nd: Node) -> None:
-    """A lazy session keeps a NumPy input on the host for its programs; read, it becomes a jax.Array like every value."""
-    if nd.dtype != R.OBJECT:  # exact rationals stay NumPy object arrays
-        nd.value = jnp.asarray(nd.value)
+def _read_host_inputs(tape: Tape, ids: Sequence[NodeId]) -> None:
+    """A lazy session keeps NumPy inputs on the host for its programs; read, each becomes a jax.Array like every value.
+
+    ``ids`` are nodes holding NumPy arrays; exact rationals (object arrays) stay as they are.
+    """
+    nodes = tape.nodes
+    ids = [i for i in ids if nodes[i].dtype != R.OBJECT]
+    fill_pending(tape, ids, [jnp.asarray(nodes[i].value) for i in ids])
 
 
 def _next_owner() -> int:
@@ -219,11 +223,9 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         """
         if self._lazy is not None:
             self.check_thread()
-            materialize(self._lazy, self._tape)
-            nodes = self._tape._buf.nodes
-            for i in range(len(self._tape)):
-                if type(nodes[i].value) is np.ndarray:
-                    _read_host_input(nodes[i])
+            t = self._tape
+            materialize(self._lazy, t)
+            _read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
 
     def __repr__(self) -> str:
         kind = "" if self.grad_enabled else ", inference"
@@ -294,7 +296,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         if v is PENDING:
             materialize(self._lazy, self._tape)  # type: ignore[arg-type]  # only a lazy session has pending nodes
         elif type(v) is np.ndarray:
-            _read_host_input(nd)
+            _read_host_inputs(self._tape, (h.id,))
         return nd
 
     # -- leaves ----------------------------------------------------------------
@@ -303,9 +305,10 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         self.check_thread()
         lz = self._lazy
         if lz is not None:
-            if t._n < len(lz.keys):
-                lz.truncate(t._n)  # a failed backward put an older tape back
-            elif t._n and t._buf.nodes[t._n - 1].dtype is R.OBJECT:
+            n = len(t)
+            if n < len(lz.keys):
+                lz.truncate(n)  # a failed backward put an older tape back
+            elif n and t[n - 1].dtype is R.OBJECT:
                 lz.exact = True  # exact rationals: backward runs eagerly
         self._tape = t
         note_recorded(self._ref)
@@ -323,9 +326,9 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
             dt = np.dtype(v.dtype)
             rg = requires_grad and self.grad_enabled and not self._no_grad and R.is_float(dt)
-            t = self._tape
-            self._commit(t._append(Node(None, (), (), v, rg, v.shape, dt)))
-            return self._handle(t._n)
+            t, i = append_node(self._tape, Node(None, (), (), v, rg, v.shape, dt))
+            self._commit(t)
+            return self._handle(i)
         return self._commit_leaf(v, requires_grad)
 
     def const(self, x: ArrayLike) -> Tensor:
@@ -401,14 +404,14 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         for o in operands:
             if type(o) is Tensor and (o._owner != owner or o._generation != gen):
                 check_handle(o, self)  # raises: foreign before stale, left to right
-        nodes = self._tape._buf.nodes
+        t0 = self._tape
         plan: list[NodeId | Param | Array] = []
         specs: list[R.Spec] = []
         ref_dtype: np.dtype | None = None  # dtype given to Python-number operands (set on first need)
         for o in operands:
             if type(o) is Tensor:
                 plan.append(o.id)
-                specs.append(nodes[o.id].spec)
+                specs.append(t0[o.id].spec)
             elif isinstance(o, Param):
                 plan.append(o)
                 specs.append((o.shape, o.dtype))
@@ -444,7 +447,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                 if self._direct_params and not p.bound and st.dtype is not R.OBJECT:
                     # the storage's value on this device: placed already, so the leaf is made directly
                     rg = p.trainable and tracked and R.is_float(st.dtype)
-                    t, i = t._append(Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype)), t._n
+                    t, i = append_node(t, Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype))
                 else:
                     t, i = leaf(t, self._param_value(p), requires_grad=p.trainable and tracked)
                 new_params.append((i, p))
@@ -454,8 +457,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                 ids.append(i)
         if casts is not None:
             t, ids = cast_operands(t, ids, casts, not self._no_grad, lazy)
-        all_nodes = t._buf.nodes
-        t, r = append_op(t, opname, entry, tuple(ids), [all_nodes[i] for i in ids], not self._no_grad, lazy)
+        t, r = append_op(t, opname, entry, tuple(ids), None, not self._no_grad, lazy)
         if isinstance(r, Err):
             raise TapeError(r.error)
         self._commit(t)
@@ -463,7 +465,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
             self._register_param_leaf(i, p, p.storage)
         if opname not in self._backend_seen:
             self._audit(opname, entry.dtype)
-        nd = t._buf.nodes[r.value]
+        nd = t[r.value]
         return Tensor(self, owner, gen, r.value, nd.shape, nd.dtype)
 
     def _audit(self, opname: str, dtype: np.dtype) -> None:
@@ -477,7 +479,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
     def parameter_groups(self) -> list[ParameterGroup]:
         """Trainable parameter leaves of this recording grouped by storage identity."""
         self.check_thread()
-        nodes = self._tape._buf.nodes
+        nodes = self._tape.nodes
         trainable = {i: p for i, p in self._params_by_leaf.items() if nodes[i].requires_grad}
         return group_parameter_leaves(trainable, self._storage_by_leaf)
 
@@ -524,8 +526,8 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
             check_handle(h, self)
         # every trainable leaf gets a gradient (zeros when the loss does not reach it)
         old = self._tape
-        nodes = old._buf.nodes
-        ids = [i for i in range(loss.id + 1) if nodes[i].op is None and nodes[i].requires_grad]
+        nodes = old.nodes
+        ids = [i for i, nd in enumerate(nodes[: loss.id + 1]) if nd.op is None and nd.requires_grad]
         ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
         ids += [h.id for h in wrt]
         hooks: dict[NodeId, list[Any]] = {

@@ -4,7 +4,13 @@ A :class:`Tape` value never changes. :func:`leaf` and :func:`record` return a ne
 tape that shares every earlier node with the old one. Appending is amortized
 O(1): consecutive tapes share one growing node buffer, and the first append to
 an *older* tape (a fork) copies the node references up to its length into a
-fresh buffer, so both continuations stay valid.
+fresh buffer, so both continuations stay valid. ``tape.nodes`` reads them
+(:class:`NodeView`, no copy).
+
+One exception, and only one: :func:`fill_pending` writes a node's value in
+place. A lazy session records a node's shape and dtype with the value
+:data:`PENDING`, computes it once later, and stores it there, so every tape
+value sharing that node sees it; nothing else about a node ever changes.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> t0 = tfl.Tape.empty()
@@ -20,6 +26,7 @@ fresh buffer, so both continuations stay valid.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 import jax
@@ -30,72 +37,25 @@ from . import _registry as R
 from . import _treescope
 from ._checks import is_int
 from ._device import device_of, resolve_device
+from ._node import PENDING, Node, NodeView
 from ._result import Err, Ok, TapeError
-from ._typing import Array, ArrayLike, Attrs, AttrValue, DeviceLike
+from ._typing import Array, ArrayLike, AttrValue, DeviceLike
 
 __all__ = [
     "PENDING",
     "Node",
+    "NodeView",
     "Tape",
+    "append_node",
     "append_op",
     "check_op",
+    "fill_pending",
     "keep_tape_on_error",
     "leaf",
     "node_id",
     "record",
     "with_values",
 ]
-
-
-class _Pending:
-    """The value of a node a lazy session recorded but has not computed yet (see ``tapeflow._lazy``)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<pending>"
-
-
-PENDING: Any = _Pending()  # one marker object: ``node.value is PENDING``
-
-
-class Node:
-    """One recorded value: a leaf (``op is None``) or the output of an op.
-
-    ``op``, ``attrs``, ``parents``, ``requires_grad``, ``shape`` and ``dtype`` are
-    static (they are part of the tape's pytree structure); ``value`` is the array.
-    """
-
-    __slots__ = ("attrs", "dtype", "op", "parents", "requires_grad", "shape", "spec", "value")
-
-    def __init__(
-        self,
-        op: str | None,
-        attrs: Attrs,
-        parents: tuple[int, ...],
-        value: Array,
-        requires_grad: bool,
-        shape: tuple[int, ...],
-        dtype: np.dtype,
-        spec: R.Spec | None = None,
-    ) -> None:
-        self.op = op
-        self.attrs = attrs
-        self.parents = parents
-        self.value = value
-        self.requires_grad = requires_grad
-        self.shape = shape
-        self.dtype = dtype
-        self.spec: R.Spec = (shape, dtype) if spec is None else spec  # (shape, dtype), the cache-key part
-
-    @property
-    def meta(self) -> tuple[Any, ...]:
-        """The static part of the node (its share of the tape's pytree structure)."""
-        return (self.op, self.attrs, self.parents, self.requires_grad, self.shape, self.dtype)
-
-    def __repr__(self) -> str:
-        what = "leaf" if self.op is None else f"{self.op}{self.parents}"
-        return f"Node({what}, {R.fmt_spec(self.spec)}, requires_grad={self.requires_grad})"
 
 
 _new_object = object.__new__
@@ -115,7 +75,8 @@ class Tape:
 
     Build one with :meth:`Tape.empty`, then thread it through :func:`leaf` and
     :func:`record`. ``len(tape)`` is the node count, ``tape[i]`` the i-th
-    :class:`Node`. A tape can be passed into and returned from ``jax.jit``.
+    :class:`Node`, ``tape.nodes`` all of them (a read-only :class:`NodeView`).
+    A tape can be passed into and returned from ``jax.jit``.
     In Jupyter a tape displays as an HTML table of its nodes (``_repr_html_``);
     :meth:`to_dot` gives Graphviz text.
 
@@ -160,36 +121,28 @@ class Tape:
         return self._n
 
     def __getitem__(self, i: int) -> Node:
-        if not is_int(i) or not 0 <= i < self._n:
-            raise IndexError(f"node id {i!r} is out of range for a tape of {self._n} node(s)")
-        return self._buf.nodes[i]
+        if type(i) is int and 0 <= i < self._n:
+            return self._buf.nodes[i]
+        return NodeView(self._buf.nodes, self._n)[i]  # the view's rule for other ids (NumPy integers, errors)
 
     def __iter__(self) -> Iterator[Node]:
-        nodes = self._buf.nodes
-        return (nodes[i] for i in range(self._n))
+        return islice(self._buf.nodes, self._n)
+
+    @property
+    def nodes(self) -> NodeView:
+        """This tape's nodes as a read-only sequence: no copy, ``tape.nodes[i] is tape[i]``.
+
+        >>> import jax.numpy as jnp
+        >>> t, x = leaf(Tape.empty(), jnp.ones(2))
+        >>> t2, y = record(t, "exp", (x,))
+        >>> [nd.op for nd in t2.nodes], len(t.nodes)   # t's view stops at t's own nodes
+        ([None, 'exp'], 1)
+        """
+        return NodeView(self._buf.nodes, self._n)
 
     def value(self, i: int) -> Array:
         """The forward value of node ``i``."""
         return self[i].value
-
-    def _append(self, node: Node) -> Tape:
-        buf = self._buf
-        n = self._n
-        nodes = buf.nodes
-        # Lock-free: list.append is atomic, and the append that lands in slot n owns
-        # it. Whoever finds another node there (a concurrent continuation of the same
-        # tape) or finds the buffer already longer (an older tape) forks instead.
-        if len(nodes) == n:
-            nodes.append(node)
-            if nodes[n] is not node:
-                buf = _Buffer(nodes[:n] + [node])
-        else:
-            buf = _Buffer(nodes[:n] + [node])
-        t = _new_object(Tape)  # Tape._make, inlined (this is on the per-op hot path)
-        t._buf = buf
-        t._n = n + 1
-        t.device = self.device
-        return t
 
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"
@@ -255,10 +208,9 @@ def with_values(tape: Tape, values: Sequence[Any]) -> Tape:
     >>> with_values(t, [jnp.zeros(2)])[0].value.tolist()
     [0.0, 0.0]
     """
-    src = tape._buf.nodes
     nodes = [
         Node(nd.op, nd.attrs, nd.parents, v, nd.requires_grad, nd.shape, nd.dtype, nd.spec)
-        for nd, v in zip(src[: tape._n], values, strict=True)
+        for nd, v in zip(tape, values, strict=True)
     ]
     return Tape._make(_Buffer(nodes), tape._n, tape.device)
 
@@ -281,6 +233,90 @@ jax.tree_util.register_pytree_node(Tape, _flatten, _unflatten)
 
 
 # --------------------------------------------------------------------------- recording
+
+
+def _append(tape: Tape, node: Node) -> Tape:
+    """``tape`` with ``node`` appended (unchecked: the last step of every append)."""
+    buf = tape._buf
+    n = tape._n
+    nodes = buf.nodes
+    # Lock-free: list.append is atomic, and the append that lands in slot n owns
+    # it. Whoever finds another node there (a concurrent continuation of the same
+    # tape) or finds the buffer already longer (an older tape) forks instead.
+    if len(nodes) == n:
+        nodes.append(node)
+        if nodes[n] is not node:
+            buf = _Buffer(nodes[:n] + [node])
+    else:
+        buf = _Buffer(nodes[:n] + [node])
+    t = _new_object(Tape)  # Tape._make, inlined (this is on the per-op hot path)
+    t._buf = buf
+    t._n = n + 1
+    t.device = tape.device
+    return t
+
+
+def append_node(tape: Tape, node: Node) -> tuple[Tape, int]:
+    """Append a :class:`Node` built by the caller, as it is; returns ``(new_tape, node_id)``.
+
+    :func:`leaf` and :func:`record` check and convert what they append; this (for
+    a session's leaves, whose values it placed itself) checks only that ``node``
+    is a Node whose parents are ids of ``tape``.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> v = jnp.ones(2)
+    >>> t, i = append_node(Tape.empty(), Node(None, (), (), v, True, (2,), np.dtype("float32")))
+    >>> i, t[i].requires_grad
+    (0, True)
+    """
+    if type(node) is not Node:
+        raise TypeError(
+            f"append_node: expected a Node, got {type(node).__name__}; build a Node, or append a value with leaf()"
+        )
+    n = tape._n
+    if node.parents and not all(type(p) is int and 0 <= p < n for p in node.parents):
+        raise TapeError(
+            f"append_node: {node!r} has parents {node.parents} but the tape has {n} node(s); "
+            "a node's parents are ids of nodes already on the tape"
+        )
+    return _append(tape, node), n
+
+
+def fill_pending(tape: Tape, ids: Sequence[int], values: Sequence[Array]) -> None:
+    """Store ``values[k]`` in node ``ids[k]`` of ``tape`` where it still waits for its value: the one in-place write.
+
+    A node waits while it holds :data:`PENDING` (a lazy session recorded it
+    and a program has computed it now) or the NumPy copy of a lazy session's
+    host input (``values`` then holds it as a ``jax.Array``). Every tape value
+    that shares the node sees the value from then on, so a value is computed
+    once. A node that holds its value already keeps it. A value whose shape or
+    dtype is not its node's raises :class:`TapeError`, and nothing is written.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.zeros(2))
+    >>> entry = check_op("exp", {}, (t[x].spec,))
+    >>> t, y = append_op(t, "exp", entry, (x,), [t[x]], lazy=True)   # recorded, not computed
+    >>> t[y.value].value is PENDING
+    True
+    >>> fill_pending(t, [y.value], [jnp.exp(t[x].value)])
+    >>> t[y.value].value.tolist()
+    [1.0, 1.0]
+    """
+    todo: list[tuple[Node, Array]] = []
+    for i, v in zip(ids, values, strict=True):
+        nd = tape[i]
+        old = nd.value
+        if not (old is PENDING or (type(old) is np.ndarray and nd.dtype != R.OBJECT)):
+            continue
+        spec = (tuple(np.shape(v)), np.dtype(v.dtype))
+        if spec != nd.spec:
+            raise TapeError(
+                f"fill_pending: node #{i} ({nd!r}) cannot hold a value of {R.fmt_spec(spec)}; "
+                "pass the value computed for that node"
+            )
+        todo.append((nd, v))
+    for nd, v in todo:
+        nd.value = v
 
 
 def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
@@ -323,7 +359,7 @@ def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tap
         ) from None
     dtype = np.dtype(v.dtype)
     node = Node(None, (), (), v, bool(requires_grad) and R.is_float(dtype), tuple(v.shape), dtype)
-    return tape._append(node), tape._n
+    return _append(tape, node), tape._n
 
 
 def node_id(tape: Tape, i: object, where: str, what: str) -> int:
@@ -410,11 +446,11 @@ def append_op(
     op: str,
     entry: R.FwdEntry,
     ids: tuple[int, ...],
-    ins: list[Node],
+    ins: list[Node] | None,
     requires_grad: bool = True,
     lazy: bool = False,
 ) -> tuple[Tape, Ok[int] | Err]:
-    """Run a checked kernel on the nodes ``ins`` (ids ``ids``) and append its output node.
+    """Run a checked kernel on the nodes ``ins`` (ids ``ids``; None: read them from ``tape``) and append its output node.
 
     ``entry`` comes from :func:`check_op` for exactly these operand specs. Only a
     failure of the kernel itself is left to report, as an ``Err`` with ``tape``
@@ -423,6 +459,9 @@ def append_op(
     session computes it (its shape and dtype are known from the check).
     """
     n = tape._n
+    if ins is None:
+        nodes = tape._buf.nodes
+        ins = [nodes[i] for i in ids]  # ids come from the caller's check: all below n
     try:
         if lazy:
             out = PENDING
@@ -448,7 +487,7 @@ def append_op(
         node = Node(op, entry.attrs, ids, out, rg, shape, R.OBJECT)
     else:
         node = Node(op, entry.attrs, ids, out, rg, entry.shape, entry.dtype, entry.spec)
-    return tape._append(node), (_OKS[n] if n < _N_OKS else Ok(n))
+    return _append(tape, node), (_OKS[n] if n < _N_OKS else Ok(n))
 
 
 def _check(
@@ -525,7 +564,7 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
     return entry
 
 
-_fwd_hit = R._FWD_CACHE.hit  # get, marking the entry most recently used
+_fwd_hit = R.fwd_cache_hit
 _attr_key = R.attr_key
 _N_OKS = 1 << 14
 _OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shared

@@ -257,6 +257,27 @@ def test_reading_gradients_first_works_as_two_programs():
     assert results[1][1] == pytest.approx(results[0][1])
 
 
+def test_fill_pending_is_the_one_in_place_write_and_every_sharing_tape_sees_it():
+    from tapeflow._tape import fill_pending
+
+    s = tfl.Session(lazy=True)
+    x = s.input(np.array([1.0, 2.0], F32))
+    y = x * 2.0
+    before = s._tape
+    z = y + 1.0
+    after = s._tape  # a longer tape value sharing y's node with ``before``
+    with pytest.raises(tfl.TapeError, match=rf"fill_pending: node #{z.id} .* cannot hold a value of float32\[3\]"):
+        fill_pending(after, [y.id, z.id], [jnp.full(2, 2.0, F32), jnp.ones(3, F32)])
+    assert after[y.id].value is PENDING and after[z.id].value is PENDING  # checked first: nothing written
+    fill_pending(after, [y.id], [jnp.array([2.0, 4.0], F32)])
+    assert before[y.id].value.tolist() == [2.0, 4.0] and after[z.id].value is PENDING
+    fill_pending(after, [y.id], [jnp.zeros(2, F32)])  # a computed value is kept
+    assert before[y.id].value.tolist() == [2.0, 4.0]
+    assert type(after[x.id].value) is np.ndarray  # a host input: read, it becomes a jax.Array in place
+    assert z.value.tolist() == [3.0, 5.0] and x.value.tolist() == [1.0, 2.0]
+    assert isinstance(before[x.id].value, jax.Array)
+
+
 def test_every_way_of_reading_a_value():
     s = tfl.Session(lazy=True)
     x = s.input(np.array([1.5], F32))

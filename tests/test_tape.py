@@ -129,6 +129,43 @@ def test_old_tape_unchanged_after_appends():
     np.testing.assert_allclose(np.asarray(t[21].value), [21.0, 44.0, 69.0])
 
 
+def test_node_view_shows_exactly_its_own_tapes_nodes():
+    t1, x = tfl.leaf(tfl.Tape.empty(), jnp.array([1.0, 2.0]))
+    t2, y = rec(t1, "exp", (x,))  # shares t1's buffer, one node longer
+    t3, _ = rec(t1, "neg", (x,))  # a fork: its node #1 is not t2's
+    v1, v2, v3 = t1.nodes, t2.nodes, t3.nodes
+    assert (len(v1), len(v2), len(v3)) == (1, 2, 2)
+    assert [nd.op for nd in v1] == [None] and [nd.op for nd in v2] == [None, "exp"] and v3[1].op == "neg"
+    assert all(v2[i] is t2[i] for i in range(len(t2)))  # the nodes themselves, no copies
+    assert v2[np.int64(1)] is t2[1] and v2[:] == list(t2) and v2[1:] == [t2[1]] and v2[::-1] == [t2[1], t2[0]]
+    assert list(reversed(v2)) == [t2[1], t2[0]] and t2[1] in v2 and v2.index(t2[1]) == 1
+    for bad in (1, -1, "0"):  # node #1 sits in t1's buffer, but it is not t1's
+        with pytest.raises(IndexError, match="out of range for a tape of 1 node"):
+            v1[bad]
+    with pytest.raises(TypeError):
+        v2[0] = t2[1]  # read-only
+    assert not hasattr(v2, "append") and repr(v2) == "NodeView(len=2)"
+    t4, _ = rec(t2, "neg", (y,))
+    assert len(v2) == 2 and len(t4.nodes) == 3  # a view never grows with later tapes
+
+
+def test_append_node_appends_a_checked_node_as_it_is():
+    from tapeflow._tape import Node, append_node
+
+    v = jnp.ones(2)
+    nd = Node(None, (), (), v, True, (2,), np.dtype("float32"))
+    t, i = append_node(tfl.Tape.empty(), nd)
+    assert (i, len(t)) == (0, 1) and t[0] is nd
+    t2, j = append_node(t, Node(None, (), (), v, False, (2,), np.dtype("float32")))
+    t3, k = append_node(t, Node(None, (), (), v, False, (2,), np.dtype("float32")))  # a fork
+    assert j == k == 1 and t2[1] is not t3[1] and len(t) == 1
+    with pytest.raises(TypeError, match="append_node: expected a Node, got ndarray"):
+        append_node(t, np.ones(2))
+    with pytest.raises(tfl.TapeError, match=r"has parents \(0, 3\) but the tape has 1 node"):
+        append_node(t, Node("add", (), (0, 3), v, False, (2,), np.dtype("float32")))
+    assert len(t) == 1
+
+
 def test_forks_are_independent():
     base, x = tfl.leaf(tfl.Tape.empty(), jnp.array([1.0, 2.0]), requires_grad=True)
     base, y = rec(base, "mul", (x, x))  # [1, 4]

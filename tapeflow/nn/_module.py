@@ -109,14 +109,23 @@ class Module:
         return self.forward(*args, **kwargs)
 
     # -- discovery ---------------------------------------------------------------
-    def _direct(self) -> Iterator[tuple[str, Param | Module]]:
-        """Direct Params and sub-Modules, ``(relative path, obj)``, in attribute order."""
+    def named_members(self) -> Iterator[tuple[str, Param | Module]]:
+        """Direct Params and sub-Modules, ``(relative path, obj)``, in attribute order (lists and dicts flattened).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> class Stack(tfl.nn.Module):
+        ...     def __init__(self):
+        ...         self.w = tfl.Param(jnp.ones(2))
+        ...         self.blocks = [tfl.nn.Module(), tfl.nn.Module()]
+        >>> [name for name, _ in Stack().named_members()]
+        ['w', 'blocks.0', 'blocks.1']
+        """
         for name, value in list(vars(self).items()):
             yield from _items(value, name)
 
     def _walk(self, prefix: str, path: tuple[int, ...]) -> Iterator[tuple[str, Param]]:
         path = path + (id(self),)
-        for name, obj in self._direct():
+        for name, obj in self.named_members():
             full = f"{prefix}{name}"
             if isinstance(obj, Param):
                 yield full, obj
@@ -155,7 +164,7 @@ class Module:
                 return
             seen.add(id(m))
             out.append((name, m))
-            for n, obj in m._direct():
+            for n, obj in m.named_members():
                 if isinstance(obj, Module):
                     visit(obj, f"{name}.{n}" if name else n)
 
@@ -182,7 +191,7 @@ class Module:
         return ""
 
     def _repr_children(self) -> list[tuple[str, object]]:
-        return list(self._direct())
+        return list(self.named_members())
 
     def _repr_lines(self, path: str, seen: dict[int, str]) -> list[str]:
         lines = [f"{type(self).__name__}({self.extra_repr()})"]
