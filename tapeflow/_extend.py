@@ -106,7 +106,7 @@ def _register(name: object, source: Callable[..., Any], replace: bool, make: Cal
     Built-in names are refused; a taken user name is refused unless ``source`` is
     the function registered there (or the same definition run again) or
     ``replace`` is true. Then the old op and its kernels go, and if ``make``
-    raises, the old op is put back.
+    raises, the old op is put back (:func:`~tapeflow._registry.restore`).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"op name must be a non-empty string, got {name!r}")
@@ -123,10 +123,10 @@ def _register(name: object, source: Callable[..., Any], replace: bool, make: Cal
     try:
         return make(name)
     except BaseException:
-        if name in R.REGISTRY:  # registered, then refused (e.g. a bad nondiff_argnums)
-            R.unregister(name)
         if old is not None:
-            R.REGISTRY[name] = old
+            R.restore(old)  # also in place of the new op if it was registered, then refused
+        elif name in R.REGISTRY:  # registered, then refused (e.g. a bad nondiff_argnums)
+            R.unregister(name)
         raise
 
 

@@ -34,9 +34,6 @@ __all__ = ["TangentGroup", "get_jvp", "jvp", "jvp_groups", "jvp_keys"]
 
 _JVP_CACHE = KernelCache("jvp")
 
-_NO_TANGENT = frozenset({"stop_gradient"})
-"""Ops whose output carries no tangent although their forward would pass one (their VJP is zero)."""
-
 TangentGroup: TypeAlias = tuple[Sequence[NodeId], ArrayLike, str, R.Spec | None]
 """``(node ids, tangent, what the key is, its (shape, dtype) or None)``: one tangent given to several nodes."""
 
@@ -233,8 +230,7 @@ def _push(nodes: Sequence[Node], root: int, seeds: dict[int, Array]) -> Array:
             continue
         parents = nd.parents
         mask = tuple(p in tan for p in parents)
-        if any(mask) and nd.op not in _NO_TANGENT and R.is_float(nd.dtype):
-            d = R.REGISTRY[nd.op]
+        if any(mask) and R.is_float(nd.dtype) and (d := R.REGISTRY[nd.op]).tangent:
             if d.nondiff:
                 mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
             if any(mask):

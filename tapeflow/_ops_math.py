@@ -242,7 +242,7 @@ def _clamp_vjp(g: Array, out: Array, x: Array, lo: Any, hi: Any) -> tuple[Any]:
     return (jnp.where(inside, g, 0.0).astype(g.dtype),)
 
 
-@op("stop_gradient", arity=1, exact=True)
+@op("stop_gradient", arity=1, exact=True, precision="layout", tangent=False)
 def stop_gradient(x: Array) -> Array:
     """Identity whose output never carries a gradient to ``x``."""
     return x
@@ -257,7 +257,7 @@ def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
     return f"attribute dtype={dtype!r} is not a dtype" if as_dtype(dtype) is None else None
 
 
-@op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check)
+@op("astype", arity=1, attrs={"dtype": REQUIRED}, check=_astype_check, precision="layout")
 def astype(x: Array, dtype: DTypeLike) -> Array:
     """Cast to ``dtype``; the gradient is cast back (none flows into integer inputs)."""
     return x.astype(dtype)
@@ -296,7 +296,7 @@ def _expand(g: Array, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Arra
     return xp_of(g).reshape(g, kshape)
 
 
-@op("sum", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
+@op("sum", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check, precision="float32")
 def sum_(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """Sum over ``axis`` (an int, a tuple, or None for all)."""
     return xp_of(x).sum(x, axis=axis, keepdims=keepdims)
@@ -308,7 +308,7 @@ def _sum_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape),)
 
 
-@op("mean", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check)
+@op("mean", arity=1, attrs={"axis": None, "keepdims": False}, exact=True, check=_reduce_check, precision="float32")
 def mean(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """Mean over ``axis`` (an int, a tuple, or None for all)."""
     xp = xp_of(x)

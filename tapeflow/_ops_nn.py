@@ -71,7 +71,7 @@ def _stable_max(x: Array, axes: tuple[int, ...]) -> Array:
 # --------------------------------------------------------------------------- softmax family
 
 
-@op("softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
+@op("softmax", arity=1, attrs={"axis": -1}, check=_axis_check, precision="float32")
 def softmax(x: Array, axis: Axes) -> Array:
     """``exp(x) / sum(exp(x))`` over ``axis`` (int or tuple), computed as ``exp(x - max)`` for stability."""
     axes = norm_axes(axis, x.ndim)
@@ -85,7 +85,7 @@ def _softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
     return (out * (g - jnp.sum(g * out, axis=axes, keepdims=True)),)
 
 
-@op("log_softmax", arity=1, attrs={"axis": -1}, check=_axis_check)
+@op("log_softmax", arity=1, attrs={"axis": -1}, check=_axis_check, precision="float32")
 def log_softmax(x: Array, axis: Axes) -> Array:
     """``x - logsumexp(x)`` over ``axis`` (int or tuple), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
@@ -107,7 +107,7 @@ def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str |
     return axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
-@op("logsumexp", arity=1, attrs={"axis": -1, "keepdims": False}, check=_logsumexp_check)
+@op("logsumexp", arity=1, attrs={"axis": -1, "keepdims": False}, check=_logsumexp_check, precision="float32")
 def logsumexp(x: Array, axis: Axes | None, keepdims: bool) -> Array:
     """``log(sum(exp(x)))`` over ``axis`` (int, tuple or None for all), shifted by the max for stability."""
     axes = norm_axes(axis, x.ndim)
@@ -159,7 +159,14 @@ def _layer_norm_stats(x: Array, axes: tuple[int, ...], eps: float) -> tuple[Arra
     return xc * rstd, rstd
 
 
-@op("layer_norm", arity=(1, 3), attrs={"axis": -1, "eps": 1e-5}, check=_layer_norm_check, runtime=("eps",))
+@op(
+    "layer_norm",
+    arity=(1, 3),
+    attrs={"axis": -1, "eps": 1e-5},
+    check=_layer_norm_check,
+    runtime=("eps",),
+    precision="float32",
+)
 def layer_norm(x: Array, weight: Array = None, bias: Array = None, *, axis: Axes, eps: float) -> Array:
     """Layer normalization ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
 
@@ -218,7 +225,9 @@ def _ce_parts(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
     return logp, onehot, valid
 
 
-@op("cross_entropy", arity=2, attrs={"reduction": "mean"}, nondiff=(1,), check=_cross_entropy_check)
+@op(
+    "cross_entropy", arity=2, attrs={"reduction": "mean"}, nondiff=(1,), check=_cross_entropy_check, precision="float32"
+)
 def cross_entropy(logits: Array, labels: Array, reduction: Reduction) -> Array:
     """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).
 
@@ -252,7 +261,7 @@ def _mse_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
     return _reduction_error(reduction)
 
 
-@op("mse", arity=2, attrs={"reduction": "mean"}, check=_mse_check)
+@op("mse", arity=2, attrs={"reduction": "mean"}, check=_mse_check, precision="float32")
 def mse(pred: Array, target: Array, reduction: Reduction) -> Array:
     """Squared error ``(pred - target) ** 2`` (same shapes), reduced by "mean", "sum" or "none"."""
     d = pred - target

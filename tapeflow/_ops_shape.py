@@ -62,7 +62,7 @@ def _reshape_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
     return None
 
 
-@op("reshape", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_reshape_check)
+@op("reshape", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_reshape_check, precision="layout")
 def reshape(x: Array, shape: ShapeLike) -> Array:
     """Reshape to ``shape`` (an int or tuple of ints; one entry may be -1, inferred)."""
     return xp_of(x).reshape(x, shape)
@@ -112,13 +112,13 @@ def _transpose_vjp(g: Array, out: Array, x: Array, axes: Any) -> tuple[Any]:
     return (xp_of(g).transpose(g, inv),)
 
 
-@op("transpose", arity=1, attrs={"axes": None}, exact=True, check=_perm_check)
+@op("transpose", arity=1, attrs={"axes": None}, exact=True, check=_perm_check, precision="layout")
 def transpose(x: Array, axes: Sequence[int] | None) -> Array:
     """Permute the axes: ``axes`` is a permutation of ``range(x.ndim)``, None (default) reverses them."""
     return _transpose(x, axes)
 
 
-@op("permute", arity=1, attrs={"axes": REQUIRED}, exact=True, check=_permute_check)
+@op("permute", arity=1, attrs={"axes": REQUIRED}, exact=True, check=_permute_check, precision="layout")
 def permute(x: Array, axes: Sequence[int]) -> Array:
     """Permute the axes by ``axes`` (required; same semantics as ``transpose``)."""
     return _transpose(x, axes)
@@ -144,7 +144,7 @@ def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
     return None
 
 
-@op("broadcast_to", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_broadcast_to_check)
+@op("broadcast_to", arity=1, attrs={"shape": REQUIRED}, exact=True, check=_broadcast_to_check, precision="layout")
 def broadcast_to(x: Array, shape: ShapeLike) -> Array:
     """Broadcast ``x`` to ``shape`` with NumPy rules; the VJP sums over the broadcast axes."""
     return xp_of(x).broadcast_to(x, int_tuple(shape))
@@ -163,7 +163,7 @@ def _expand_dims_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
     return None
 
 
-@op("expand_dims", arity=1, attrs={"axis": REQUIRED}, exact=True, check=_expand_dims_check)
+@op("expand_dims", arity=1, attrs={"axis": REQUIRED}, exact=True, check=_expand_dims_check, precision="layout")
 def expand_dims(x: Array, axis: Axes) -> Array:
     """Insert size-1 axes at ``axis`` (an int or tuple, positions in the result)."""
     return xp_of(x).expand_dims(x, int_tuple(axis))
@@ -191,7 +191,7 @@ def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
     return None
 
 
-@op("squeeze", arity=1, attrs={"axis": None}, exact=True, check=_squeeze_check)
+@op("squeeze", arity=1, attrs={"axis": None}, exact=True, check=_squeeze_check, precision="layout")
 def squeeze(x: Array, axis: Axes | None) -> Array:
     """Remove size-1 axes: those named by ``axis`` (each must have size 1), or all of them if None."""
     return xp_of(x).squeeze(x, axis=None if axis is None else int_tuple(axis))
@@ -321,7 +321,8 @@ def _index_check(specs: tuple[Spec, ...], index: Any) -> str | None:
     return None
 
 
-@op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check, public=False)  # x[...] records it
+# public=False: x[...] records it
+@op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check, public=False, precision="layout")
 def index(x: Array, index: Any) -> Array:
     """Basic indexing ``x[index]`` with ints, slices, None and Ellipsis (see :func:`normalize_index`).
 
@@ -377,7 +378,7 @@ def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> 
     return jnp.zeros(x.shape, g.dtype).at[where].add(g), None
 
 
-@op("take", arity=2, attrs={"axis": 0}, nondiff=(1,), check=_take_check)
+@op("take", arity=2, attrs={"axis": 0}, nondiff=(1,), check=_take_check, precision="layout")
 def take(x: Array, indices: Array, axis: int) -> Array:
     """Select entries of ``x`` along ``axis`` at integer ``indices`` (any shape), as ``jnp.take``.
 
@@ -393,7 +394,7 @@ def take(x: Array, indices: Array, axis: int) -> Array:
 take.defvjp(_take_vjp)
 
 
-@op("gather", arity=2, nondiff=(1,), check=_take_check)
+@op("gather", arity=2, nondiff=(1,), check=_take_check, precision="layout")
 def gather(x: Array, indices: Array) -> Array:
     """``x[indices]`` for an integer array ``indices``: rows of ``x`` along axis 0 (``take`` with axis=0).
 

@@ -5,12 +5,13 @@ parameters in their own dtype (float32 master copies) and casts operands as
 ops are recorded, each cast an ordinary ``astype`` node, so gradients flow
 back through it and reach a parameter in its own dtype:
 
-* losses, reductions and normalizations (:data:`FULL_PRECISION_OPS`) are
-  computed in float32 (or wider, if an operand already is);
-* ops that only move or select elements (:data:`LAYOUT_OPS`) keep their
+* losses, reductions and normalizations (ops declared ``precision="float32"``,
+  see :data:`~tapeflow._registry.OpPrecision`) are computed in float32 (or
+  wider, if an operand already is);
+* ops that only move or select elements (``precision="layout"``) keep their
   operands' dtypes, and ``astype`` does what it is asked;
-* every other op computes its float operands in the compute dtype, so float32
-  and the compute dtype mix instead of being rejected.
+* every other op, user ops included, computes its float operands in the
+  compute dtype, so float32 and the compute dtype mix instead of being rejected.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> p = Precision(jnp.bfloat16)
@@ -38,30 +39,7 @@ from ._result import Err, TapeError
 from ._tape import Tape, append_op, check_op
 from ._typing import DTypeLike, NodeId
 
-__all__ = ["FULL_PRECISION_OPS", "LAYOUT_OPS", "DynamicScaleState", "Precision", "cast_operands", "dynamic_loss_scale"]
-
-FULL_PRECISION_OPS = frozenset(
-    {"sum", "mean", "softmax", "log_softmax", "logsumexp", "cross_entropy", "mse", "layer_norm"}
-)
-"""Ops computed in float32 under a policy: losses, reductions and normalizations."""
-
-LAYOUT_OPS = frozenset(
-    {
-        "astype",
-        "reshape",
-        "transpose",
-        "permute",
-        "squeeze",
-        "expand_dims",
-        "broadcast_to",
-        "index",
-        "take",
-        "gather",
-        "stop_gradient",
-        "vjp",
-    }
-)
-"""Ops that keep their operands' dtypes under a policy (they move or select elements, or cast on purpose)."""
+__all__ = ["DynamicScaleState", "Precision", "cast_operands", "dynamic_loss_scale"]
 
 _F32 = np.dtype(np.float32)
 
@@ -81,10 +59,11 @@ class Precision:
         object.__setattr__(self, "compute_dtype", dt)
 
     def target(self, opname: str) -> np.dtype | None:
-        """The dtype ``opname`` computes its float operands in (None: as they are)."""
-        if opname in LAYOUT_OPS or opname not in R.REGISTRY:
+        """The dtype ``opname`` computes its float operands in (None: as they are), from its ``precision``."""
+        d = R.REGISTRY.get(opname)
+        if d is None or d.precision == "layout":
             return None
-        return _F32 if opname in FULL_PRECISION_OPS else self.compute_dtype
+        return _F32 if d.precision == "float32" else self.compute_dtype
 
     def targets(self, opname: str, specs: Sequence[R.Spec]) -> list[np.dtype | None]:
         """For each operand, the dtype to cast it to first, or None to use it as it is."""

@@ -40,7 +40,7 @@ import functools
 import inspect
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,7 @@ __all__ = [
     "REGISTRY",
     "Axes",
     "OpDef",
+    "OpPrecision",
     "Padding",
     "Pair",
     "Reduction",
@@ -62,6 +63,8 @@ __all__ = [
     "normalize_attrs",
     "op",
     "ops",
+    "register",
+    "restore",
     "unregister",
 ]
 
@@ -89,6 +92,10 @@ Padding: TypeAlias = int | tuple[int, int] | tuple[tuple[int, int], tuple[int, i
 
 Reduction: TypeAlias = Literal["mean", "sum", "none"]
 """How a loss reduces over its rows."""
+
+OpPrecision: TypeAlias = Literal["compute", "float32", "layout"]
+"""The dtype an op's float operands are computed in under a mixed-precision policy: the policy's compute dtype,
+float32 (losses, reductions, normalizations) or their own (ops that move or select elements, or cast on purpose)."""
 
 ATTR_TYPES = ("Axes", "ShapeLike", "Pair", "Padding", "Reduction")
 """The aliases above: with builtins, ``Sequence``, numpy.typing's ``DTypeLike`` and
@@ -123,7 +130,8 @@ class OpDef:
     annotation text of each attribute, ``doc`` the one-line public summary and
     ``notes`` the rest of the forward's docstring. ``public=False`` ops get no
     ``tfl.<name>`` function; ``aliases`` are further names of that function.
-    ``runtime`` names the attributes passed to the kernels as traced scalars.
+    ``runtime`` names the attributes passed to the kernels as traced scalars, ``precision`` its :data:`OpPrecision`.
+    ``tangent=False``: no tangent in forward mode, although the forward would pass one (``stop_gradient``).
     ``user`` marks an op registered through :func:`tapeflow.lift` or
     :func:`tapeflow.defop` (it can be :func:`unregister` ed), and ``source`` is
     the function it was registered from (None for a built-in op).
@@ -144,6 +152,8 @@ class OpDef:
     public: bool = True
     aliases: tuple[str, ...] = ()
     runtime: frozenset[str] = frozenset()
+    precision: OpPrecision = "compute"
+    tangent: bool = True
     user: bool = False
     source: Callable[..., Any] | None = None
 
@@ -180,6 +190,8 @@ def op(
     public: bool = True,
     aliases: Sequence[str] = (),
     runtime: Sequence[str] = (),
+    precision: OpPrecision = "compute",
+    tangent: bool = True,
     user: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
@@ -193,14 +205,14 @@ def op(
     ``tfl.<name>`` functions; ``aliases`` are further names for its function.
     ``runtime`` lists attributes the output's shape and dtype never depend on: a
     number given for one reaches the kernels traced (:func:`kernel_key`), so the
-    forward and VJP must not branch on it in Python. ``user`` (the user's function)
-    marks a user registration (:func:`tapeflow.lift`, :func:`tapeflow.defop`),
-    which :func:`unregister` may remove again.
+    forward and VJP must not branch on it in Python. ``precision`` and ``tangent``
+    are the :class:`OpDef` fields. ``user`` (the user's function) marks a user registration
+    (:func:`tapeflow.lift`, :func:`tapeflow.defop`), which :func:`unregister` may remove again.
     """
+    if precision not in get_args(OpPrecision):
+        raise ValueError(f"op {name!r}: precision={precision!r} must be one of {get_args(OpPrecision)}")
 
     def deco(fwd: Callable[..., Any]) -> OpDef:
-        if name in REGISTRY:
-            raise ValueError(f"op {name!r} is already registered")
         defaults = dict(attrs or {})
         if bad := sorted(set(runtime) - set(defaults)):
             raise ValueError(f"op {name!r}: runtime={bad} names no attribute (attrs={list(defaults)})")
@@ -226,11 +238,12 @@ def op(
             public=public,
             aliases=tuple(aliases),
             runtime=frozenset(runtime),
+            precision=precision,
+            tangent=tangent,
             user=user is not None,
             source=user,
         )
-        REGISTRY[name] = d
-        return d
+        return register(d)
 
     return deco
 
@@ -269,11 +282,20 @@ def _read_signature(
     return tuple(names), arity, {a: types.get(a, "AttrValue") for a in attrs}
 
 
-def unregister(name: str) -> OpDef:
+def register(d: OpDef) -> OpDef:
+    """Add op ``d`` under its name and return it (:func:`op` calls it); a taken name is a ``ValueError``."""
+    if d.name in REGISTRY:
+        raise ValueError(f"op {d.name!r} is already registered")
+    REGISTRY[d.name] = d
+    return d
+
+
+def unregister(name: str, *, keep_kernels: bool = False) -> OpDef:
     """Remove the user-registered op ``name`` and every compiled kernel that mentions it; returns its OpDef.
 
     A built-in op cannot be removed (``ValueError``); an unknown name is a ``KeyError``.
     Tapes that recorded the op keep their values, but no longer differentiate through it.
+    ``keep_kernels=True`` leaves them to a later ``drop_kernels_of`` (a finalizer may run inside a cache operation).
 
     >>> d = op("doc_unregister_twice", user=lambda x: 2 * x)(lambda x: 2 * x)
     >>> unregister("doc_unregister_twice") is d, "doc_unregister_twice" in REGISTRY
@@ -285,7 +307,25 @@ def unregister(name: str) -> OpDef:
     if not d.user:
         raise ValueError(f"{name!r} is a built-in op; only ops registered with tfl.lift or tfl.defop can be removed")
     del REGISTRY[name]
-    drop_kernels_of({name})  # forwards, VJPs, and the caches of layers above (JVPs, recorded VJPs, ...)
+    if not keep_kernels:
+        drop_kernels_of({name})  # forwards, VJPs, and the caches of layers above (JVPs, recorded VJPs, ...)
+    return d
+
+
+def restore(d: OpDef) -> OpDef:
+    """Put user op ``d`` back (undoing :func:`unregister` or a failed replacement), in place of any user op there since.
+
+    >>> d = unregister(op("doc_restore", user=abs)(abs).name)
+    >>> new = op("doc_restore", user=round)(round)   # registered in its place
+    >>> restore(d) is REGISTRY["doc_restore"], unregister("doc_restore") is d
+    (True, True)
+    """
+    now = REGISTRY.get(d.name)
+    if not d.user or (now is not None and not now.user):
+        raise ValueError(f"{d.name!r} is a built-in op; only ops registered with tfl.lift or tfl.defop can be restored")
+    REGISTRY[d.name] = d
+    if now is not None and now is not d:
+        drop_kernels_of({d.name})  # compiled for the op that held the name
     return d
 
 

@@ -50,6 +50,7 @@ How it works:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -151,7 +152,8 @@ _dead: list[str] = []  # ops of collected wrappers whose compiled kernels are no
 
 def _release(opname: str) -> None:
     """Unregister the op of a collected wrapper; its kernels are dropped at the next safe point (:func:`_purge`)."""
-    R.REGISTRY.pop(opname, None)
+    with contextlib.suppress(KeyError):  # already unregistered by hand
+        R.unregister(opname, keep_kernels=True)
     _dead.append(opname)
 
 

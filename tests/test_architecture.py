@@ -203,3 +203,48 @@ def test_importing_tapeflow_starts_no_jax_backend() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+_REGISTRY_TABLE = "REGISTRY"
+_MUTATORS = frozenset({"pop", "popitem", "update", "setdefault", "clear", "__setitem__", "__delitem__"})
+
+
+def _is_registry_table(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == _REGISTRY_TABLE) or (
+        isinstance(node, ast.Attribute) and node.attr == _REGISTRY_TABLE
+    )
+
+
+def test_only_the_registry_module_changes_the_op_table() -> None:
+    """Ops enter and leave through ``_registry.register`` / ``unregister`` / ``restore``, so the
+    name rules and the kernel drops that go with them are never skipped."""
+    registry = ast.parse((PKG / "_registry.py").read_text())
+    tables = {ast.unparse(n.target) for n in registry.body if isinstance(n, ast.AnnAssign)}
+    assert _REGISTRY_TABLE in tables, f"_registry.py no longer defines {_REGISTRY_TABLE}: update this test"
+    offenders = []
+    for path in SOURCES:
+        if path == PKG / "_registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"tapeflow/{path.relative_to(PKG)}:{getattr(node, 'lineno', '?')}"
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+                if _is_registry_table(node.value):
+                    offenders.append(f"{where}: binds {_REGISTRY_TABLE} to another name")
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.Delete):
+                targets = node.targets if isinstance(node, ast.Delete) else [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS
+                and _is_registry_table(node.func.value)
+            ):
+                offenders.append(f"{where}: calls {_REGISTRY_TABLE}.{node.func.attr}(...)")
+            for t in targets:
+                if _is_registry_table(t) or (isinstance(t, ast.Subscript) and _is_registry_table(t.value)):
+                    offenders.append(f"{where}: {type(node).__name__.lower()} {ast.unparse(t)}")
+    assert not offenders, (
+        f"only tapeflow/_registry.py may change {_REGISTRY_TABLE}; call _registry.register, unregister or "
+        "restore instead:\n" + "\n".join(offenders)
+    )

@@ -9,6 +9,7 @@ test files see only the built-in ops.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import zlib
@@ -639,3 +640,40 @@ def test_ops_page_lists_user_ops_only_when_registered() -> None:
     )
     assert "| `test_extend_listed_hand` | `x` | `eps=0.01` | hand |" in page
     assert page.startswith(committed.split("\n## Functions")[0])  # the built-in table is unchanged
+
+
+def test_a_refused_replacement_puts_the_old_op_back() -> None:
+    def double(x):
+        return 2 * x
+
+    old = tfl.defop("test_extend_restored", double, None)
+    with tfl.Session() as s:  # compiles kernels for the old op
+        tfl.apply("test_extend_restored", s.input(jnp.ones(2)))
+    with pytest.raises(ValueError, match="out of range"):
+        tfl.defop("test_extend_restored", lambda x, w: x * w, None, nondiff_argnums=(2,), replace=True)
+    assert tfl.REGISTRY["test_extend_restored"] is old
+    with tfl.Session() as s:
+        assert tfl.apply("test_extend_restored", s.input(jnp.ones(2))).value.tolist() == [2.0, 2.0]
+    # user ops compute in the policy's dtype and carry tangents, like most built-ins
+    assert (old.precision, old.tangent) == ("compute", True)
+    assert tfl.lift(jnp.sin, name="test_extend_defaults").op.precision == "compute"
+
+
+def test_register_unregister_and_restore_are_the_only_doors() -> None:
+    d = R.unregister(tfl.defop("test_extend_doors", lambda x: x + 1, None).name)
+    with pytest.raises(KeyError, match="no op 'test_extend_doors'"):
+        R.unregister("test_extend_doors")
+    new = tfl.defop("test_extend_doors", lambda x: x - 1, None)
+    with tfl.Session() as s:
+        tfl.apply("test_extend_doors", s.input(jnp.ones(2)))
+    assert R.restore(d) is tfl.REGISTRY["test_extend_doors"] is not new
+    with tfl.Session() as s:  # the replaced op's kernels went with it
+        assert tfl.apply("test_extend_doors", s.input(jnp.ones(2))).value.tolist() == [2.0, 2.0]
+    assert R.restore(d) is d  # already there: nothing changes
+    with pytest.raises(ValueError, match="already registered"):
+        R.register(d)
+    with pytest.raises(ValueError, match="'add' is a built-in op"):
+        R.restore(dataclasses.replace(d, name="add"))  # never in place of a built-in
+    with pytest.raises(ValueError, match="'tanh' is a built-in op"):
+        R.restore(tfl.REGISTRY["tanh"])
+    assert not tfl.REGISTRY["add"].user

@@ -17,6 +17,7 @@ from _helpers import FOREIGN_MSG, STALE_MSG, _arr, _assert_unchanged, _state, cl
 
 import tapeflow as tfl
 from tapeflow import TapeError
+from tapeflow import _registry as R
 
 
 def _leaves(*arrays):
@@ -133,6 +134,21 @@ def test_stop_gradient_carries_no_tangent():
     t, sg = _rec(t, "stop_gradient", [x])
     t, root = _rec(t, "mul", [sg, x])
     close(tfl.jvp(t, root, {x: v}), jax.jvp(lambda x: jax.lax.stop_gradient(x) * x, (xv,), (v,))[1])
+    assert [n for n in tfl.ops() if not tfl.REGISTRY[n].tangent] == ["stop_gradient"]
+
+
+def test_an_op_declared_without_tangent_carries_none():
+    """``jvp`` reads ``OpDef.tangent``: an op whose forward would pass a tangent gets none when it says so."""
+    d = R.op("test_jvp_no_tangent", tangent=False, user=jnp.negative)(lambda x: -x)
+    try:
+        xv, v = _arr((3,), 0), _arr((3,), 1)
+        t, (x,) = _leaves(xv)
+        t, y = _rec(t, "test_jvp_no_tangent", [x])
+        t, root = _rec(t, "add", [y, x])
+        close(tfl.jvp(t, root, {x: v}), v)  # only the direct path
+        close(tfl.jvp(t, y, {x: v}), np.zeros(3))
+    finally:
+        R.unregister(d.name)
 
 
 def test_runtime_attributes_are_traced_and_compile_nothing_new():

@@ -10,6 +10,8 @@ import pytest
 
 import tapeflow as tfl
 from tapeflow import TapeError
+from tapeflow import _registry as R
+from tapeflow._precision import Precision
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)
@@ -182,3 +184,16 @@ def test_dynamic_loss_scale_skips_overflow_shrinks_and_grows_the_scale():
     # 1 finite step; overflow: skipped, scale halved; then 2 finite steps in a row double it; and 1 more
     assert scales == [2.0**10, 2.0**9, 2.0**9, 2.0**10, 2.0**10]
     assert int(opt.state.skipped) == 1
+
+
+def test_each_op_declares_the_dtype_it_computes_in():
+    """The policy reads ``OpDef.precision``; these are the ops that do not follow the compute dtype."""
+    by = {p: {n for n in tfl.ops() if tfl.REGISTRY[n].precision == p} for p in ("float32", "layout")}
+    assert by["float32"] == {"sum", "mean", "softmax", "log_softmax", "logsumexp", "cross_entropy", "mse", "layer_norm"}
+    layout = {"astype", "reshape", "transpose", "permute", "squeeze", "expand_dims", "broadcast_to", "index"}
+    assert by["layout"] - {"vjp"} == layout | {"take", "gather", "stop_gradient"}
+    p = Precision(jnp.bfloat16)
+    assert [p.target(n) for n in ("mse", "take", "matmul", "no_such_op")] == [F32, None, BF16, None]
+    with pytest.raises(ValueError, match="precision='f32' must be one of"):
+        R.op("test_precision_bad", precision="f32")  # type: ignore[arg-type]
+    assert "test_precision_bad" not in tfl.REGISTRY

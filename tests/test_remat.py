@@ -9,6 +9,7 @@ dtypes are explicit.
 from __future__ import annotations
 
 import gc
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -562,3 +563,17 @@ def test_rational_operands_are_refused():
         x = s.input(jnp.ones(2, F64))
         with pytest.raises(TapeError, match="exact rational operands are not supported"):
             ck(x, np.array([Fraction(1, 3)], dtype=object))
+
+
+def test_a_collected_wrapper_unregisters_its_op_and_tolerates_one_removed_by_hand(monkeypatch):
+    from tapeflow import _registry as R
+
+    kept, gone = tfl.checkpoint(lambda h: h * 2.0), tfl.checkpoint(lambda h: h * 3.0)
+    names = kept.op_name, gone.op_name
+    assert all(tfl.REGISTRY[n].user for n in names)
+    R.unregister(gone.op_name)
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)  # what a failing finalizer would report
+    del kept, gone
+    gc.collect()
+    assert not set(names) & set(tfl.REGISTRY) and not raised
