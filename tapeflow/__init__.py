@@ -15,6 +15,7 @@ from . import (  # noqa: F401
 )
 from ._backward import backward, backward_graph
 from ._checkpoint import CheckpointError, restore, save
+from ._commit import StateWriteError
 from ._extend import defop, lift
 from ._functional import TrainStep, param_values, train_step, value_and_grad
 from ._functions import (  # every public op, generated from the registry, plus dropout
@@ -83,7 +84,6 @@ from ._params import Param, Storage, canonical_indices, tie
 from ._precision import dynamic_loss_scale
 from ._registry import REGISTRY, OpDef, ops
 from ._remat import checkpoint
-from ._commit import StateWriteError
 from ._result import Err, Ok, Result, TapeError
 from ._session import RationalFallbackWarning, Session
 from ._tape import Node, Tape, keep_tape_on_error, leaf, record

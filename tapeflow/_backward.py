@@ -257,7 +257,13 @@ def _vjp_check(specs: tuple[R.Spec, ...], node_op: object, node_attrs: object, w
     return None
 
 
-@R.op("vjp", attrs={"node_op": R.REQUIRED, "node_attrs": (), "wrt": R.REQUIRED, "k": 0}, check=_vjp_check, public=False)
+@R.op(
+    "vjp",
+    attrs={"node_op": R.REQUIRED, "node_attrs": (), "wrt": R.REQUIRED, "k": 0},
+    check=_vjp_check,
+    public=False,
+    precision="layout",
+)
 def _vjp_forward(g: Array, out: Array, *xs: Array, node_op: str, node_attrs: tuple[tuple[str, AttrValue], ...], wrt: tuple[bool, ...], k: int) -> Array:  # fmt: skip
     """Cotangent ``k`` of the operands of a ``node_op`` node (attributes ``node_attrs``): one step of a recorded backward.
 

@@ -49,16 +49,16 @@ import numpy as np
 
 from . import _registry as R
 from ._checkpoint_io import (
-    _META,
-    _OPT,
-    _ORBAX_MARKER,
-    _PARAMS,
-    _checkpointer,
-    _ocp,
-    _recover,
-    _short,
-    _sibling,
-    _siblings,
+    META,
+    OPT,
+    ORBAX_MARKER,
+    PARAMS,
+    checkpointer,
+    import_orbax,
+    recover,
+    short,
+    sibling,
+    siblings,
 )
 from ._checkpoint_meta import (
     CheckpointError,
@@ -189,7 +189,7 @@ def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
 
 # --------------------------------------------------------------------------- save
 
-_OWN_ENTRIES = frozenset({_META, _PARAMS, _OPT, _ORBAX_MARKER, "commit_success.txt"})
+_OWN_ENTRIES = frozenset({META, PARAMS, OPT, ORBAX_MARKER, "commit_success.txt"})
 
 
 def _check_replaceable(path: str) -> None:
@@ -198,7 +198,7 @@ def _check_replaceable(path: str) -> None:
         found = f"it is a {'symbolic link' if os.path.islink(path) else 'file'}, not a checkpoint directory"
     elif entries := sorted(os.listdir(path)):
         try:
-            ours = os.path.isfile(os.path.join(path, _ORBAX_MARKER)) and _load_meta(path) is not None
+            ours = os.path.isfile(os.path.join(path, ORBAX_MARKER)) and _load_meta(path) is not None
         except CheckpointError:
             ours = False
         if not (extra := [e for e in entries if e not in _OWN_ENTRIES]) and ours:
@@ -252,14 +252,14 @@ def save(
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)
-    _recover(path)
+    recover(path)
     if os.path.lexists(path):
         if not overwrite:
             raise CheckpointError(f"checkpoint path {path} already exists; pass overwrite=True to replace it")
         _check_replaceable(path)
 
     layout = _layout(regs)
-    arrays: dict[str, dict[str, jax.Array | np.ndarray]] = {_PARAMS: {}, _OPT: {}}
+    arrays: dict[str, dict[str, jax.Array | np.ndarray]] = {PARAMS: {}, OPT: {}}
     registrations = []
     for i, (n, p) in enumerate(zip(names, regs)):
         _check_not_rational(p.dtype, _reg_label(i, names))
@@ -270,7 +270,7 @@ def save(
             continue
         key = f"param_{len(storages)}"
         v = p.storage.read_host()
-        arrays[_PARAMS][key] = v
+        arrays[PARAMS][key] = v
         storages.append(StorageEntry(key, i, _digest(v)))
 
     opt_meta = None
@@ -283,7 +283,7 @@ def save(
             a = leaf if isinstance(leaf, (jax.Array, np.ndarray)) else np.asarray(leaf)
             _check_not_rational(a.dtype, f"optimizer state leaf {j}")
             key = f"opt_{j}"
-            arrays[_OPT][key] = a
+            arrays[OPT][key] = a
             leaf_meta.append(LeafEntry(key, kp, tuple(np.shape(a)), np.dtype(a.dtype), _digest(a)))
         opt_layout = tuple(cast("list[int]", optimizer.alias_layout))
         opt_meta = OptimizerEntry(str(treedef), tuple(leaf_meta), opt_layout, tuple(slot_regs))
@@ -298,29 +298,29 @@ def save(
         jax_version=jax.__version__,
     )
 
-    ocp = _ocp()
-    items: dict[str, Any] = {_META: ocp.args.JsonSave(meta.to_json())}
+    ocp = import_orbax()
+    items: dict[str, Any] = {META: ocp.args.JsonSave(meta.to_json())}
     for item, tree in arrays.items():
         if tree:
             items[item] = ocp.args.StandardSave(tree)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    for leftover, *_ in _siblings(path):  # staging directories of killed saves
+    for leftover, *_ in siblings(path):  # staging directories of killed saves
         shutil.rmtree(leftover, ignore_errors=True)
     sid = uuid.uuid4().hex[:12]
-    tmp, old = _sibling(path, "tmp", sid), _sibling(path, "old", sid)
+    tmp, old = sibling(path, "tmp", sid), sibling(path, "old", sid)
     try:
-        with _checkpointer() as ck:
+        with checkpointer() as ck:
             ck.save(tmp, args=ocp.args.Composite(**items))
         if not os.path.lexists(path):
             os.rename(tmp, path)
             return
-        os.rename(path, old)  # a kill from here until _recover's rename leaves the half-done swap _recover finishes
+        os.rename(path, old)  # a kill from here until recover's rename leaves the half-done swap recover finishes
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
-            f"saving the checkpoint to {path} failed ({_short(e)}); no checkpoint was written (an existing one is left as it was)"
+            f"saving the checkpoint to {path} failed ({short(e)}); no checkpoint was written (an existing one is left as it was)"
         ) from e
-    if _recover(path) != path:
+    if recover(path) != path:
         os.rename(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not move the new checkpoint into {path}; the existing one is left as it was")
@@ -338,16 +338,16 @@ def _load_meta(path: str) -> CheckpointMeta:
         )
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory; tfl.save writes a checkpoint directory")
-    if not os.path.isdir(os.path.join(path, _META)):
+    if not os.path.isdir(os.path.join(path, META)):
         raise CheckpointError(
-            f"checkpoint at {path} is corrupted or incomplete: the '{_META}' item is missing (not a tapeflow checkpoint, or an interrupted copy); re-save it or restore from an intact copy"
+            f"checkpoint at {path} is corrupted or incomplete: the '{META}' item is missing (not a tapeflow checkpoint, or an interrupted copy); re-save it or restore from an intact copy"
         )
-    ocp = _ocp()
+    ocp = import_orbax()
     try:
-        with _checkpointer() as ck:
-            raw = ck.restore(path, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        with checkpointer() as ck:
+            raw = ck.restore(path, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:
-        raise bad_meta(path, f"could not be read ({_short(e)})") from e
+        raise bad_meta(path, f"could not be read ({short(e)})") from e
     return CheckpointMeta.from_json(path, raw)
 
 
@@ -468,7 +468,7 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
             raise CheckpointError(
                 f"checkpoint at {path} is corrupted or incomplete: its '{item}' item is missing; re-save it or restore from an intact copy"
             )
-    ocp = _ocp()
+    ocp = import_orbax()
     args = {
         item: ocp.args.StandardRestore(
             {
@@ -479,11 +479,11 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
         for item, w in wanted.items()
     }
     try:
-        with _checkpointer() as ck:
+        with checkpointer() as ck:
             restored = ck.restore(path, args=ocp.args.Composite(**args))
             got_items = {item: restored[item] for item in wanted}
     except Exception as e:
-        msg = _short(e)
+        msg = short(e)
         raise CheckpointError(
             f"checkpoint at {path} is corrupted or incomplete: its array data could not be read ({msg}); re-save it or restore from an intact copy"
         ) from e
@@ -523,21 +523,21 @@ def restore(
     """
     if session is not None:
         session.check_thread()  # first: the RNG state is set together with the parameters
-    path = _recover(os.path.abspath(os.fspath(path)))
+    path = recover(os.path.abspath(os.fspath(path)))
     names, regs, keyed = _registrations(params_or_module)
     meta = _load_meta(path)
     _check_params(path, meta, names, regs, keyed)
-    wanted: dict[str, dict[str, _Want]] = {_PARAMS: {}, _OPT: {}}
+    wanted: dict[str, dict[str, _Want]] = {PARAMS: {}, OPT: {}}
     for s in meta.storages:
         p = regs[s.registration]
         what = f"parameter {_reg_label(s.registration, names)}"
-        wanted[_PARAMS][s.key] = _Want(tuple(p.shape), p.dtype, s.digest, p.storage.read(None), what)
+        wanted[PARAMS][s.key] = _Want(tuple(p.shape), p.dtype, s.digest, p.storage.read(None), what)
     opt_plan: tuple[OptimizerEntry, jax.tree_util.PyTreeDef] | None = None
     if optimizer is not None:
         om, opt_treedef, leaves = _check_optimizer(path, meta, optimizer, regs, names)
         opt_plan = (om, opt_treedef)
         for j, (lm, leaf) in enumerate(zip(om.leaves, leaves)):
-            wanted[_OPT][lm.key] = _Want(lm.shape, lm.dtype, lm.digest, leaf, f"optimizer state leaf {j}")
+            wanted[OPT][lm.key] = _Want(lm.shape, lm.dtype, lm.digest, leaf, f"optimizer state leaf {j}")
     rng = meta.session
     if session is not None and rng is None:
         raise CheckpointError(

@@ -3,11 +3,11 @@
 A :func:`~tapeflow.save` stages the new checkpoint in a sibling directory
 ``<path>.tapeflow-tmp-<id>`` and, when replacing, moves the old one to
 ``<path>.tapeflow-old-<id>`` before renaming the new one into place;
-:func:`_recover` finishes a swap that was killed between the two renames.
+:func:`recover` finishes a swap that was killed between the two renames.
 
->>> _sibling("/ckpt/run1", "tmp", "0123456789ab")
+>>> sibling("/ckpt/run1", "tmp", "0123456789ab")
 '/ckpt/run1.tapeflow-tmp-0123456789ab'
->>> _recover("/no/such/dir/run1")  # nothing staged beside it: nothing to finish
+>>> recover("/no/such/dir/run1")  # nothing staged beside it: nothing to finish
 '/no/such/dir/run1'
 """
 
@@ -22,13 +22,13 @@ from ._checkpoint_meta import CheckpointError
 
 __all__: list[str] = []
 
-_PARAMS = "params"
-_OPT = "opt_state"
-_META = "meta"
-_ORBAX_MARKER = "_CHECKPOINT_METADATA"
+PARAMS = "params"
+OPT = "opt_state"
+META = "meta"
+ORBAX_MARKER = "_CHECKPOINT_METADATA"
 
 
-def _ocp() -> ModuleType:
+def import_orbax() -> ModuleType:
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - dependency of the package
@@ -38,7 +38,7 @@ def _ocp() -> ModuleType:
     return ocp
 
 
-def _short(e: BaseException) -> str:
+def short(e: BaseException) -> str:
     """The gist of an orbax / TensorStore error (without the multi-kilobyte store spec)."""
     msg = str(e).split("\n", 1)[0]
     for cut in (" [tensorstore_spec", " See full TensorStore details", "tensorstore_spec"):
@@ -49,17 +49,17 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}"
 
 
-def _checkpointer() -> Any:
-    ocp = _ocp()
+def checkpointer() -> Any:
+    ocp = import_orbax()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
-def _sibling(path: str, kind: str, sid: str) -> str:
+def sibling(path: str, kind: str, sid: str) -> str:
     """Where save ``sid`` stages the new checkpoint (``kind`` "tmp") or moves the one it replaces ("old")."""
     return f"{path}.tapeflow-{kind}-{sid}"
 
 
-def _siblings(path: str) -> list[tuple[str, str, str]]:
+def siblings(path: str) -> list[tuple[str, str, str]]:
     """(path, kind, save id) of each staging sibling of ``path``; kind "orbax-tmp": a "tmp" orbax never finished."""
     parent, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\.tapeflow-(tmp|old)-([0-9a-f]{12})(\.orbax-checkpoint-tmp.*)?")
@@ -67,10 +67,10 @@ def _siblings(path: str) -> list[tuple[str, str, str]]:
     return [(os.path.join(parent, m[0]), "orbax-tmp" if m[3] else m[1], m[2]) for m in found]
 
 
-def _recover(path: str) -> str:
+def recover(path: str) -> str:
     """Finish the swap of a :func:`save` killed between its two renames; returns the directory holding ``path``."""
-    sibs = [] if os.path.lexists(path) else _siblings(path)
-    halfway = [t for t, kind, sid in sibs if kind == "tmp" and (_sibling(path, "old", sid), "old", sid) in sibs]
+    sibs = [] if os.path.lexists(path) else siblings(path)
+    halfway = [t for t, kind, sid in sibs if kind == "tmp" and (sibling(path, "old", sid), "old", sid) in sibs]
     if halfway:
         try:
             os.rename(halfway[0], path)

@@ -227,7 +227,7 @@ class Grads(Mapping[GradKey, Array]):
                 )
             return val
         if isinstance(key, Tensor):
-            if key._owner != self.owner or key._generation != self.generation:
+            if key.owner != self.owner or key.generation != self.generation:
                 raise KeyError(f"{key!r} does not belong to the recording these gradients came from")
             key = key.id
         if isinstance(key, (int, np.integer)) and int(key) in self.by_leaf:

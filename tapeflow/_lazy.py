@@ -41,7 +41,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _grads
 from . import _registry as R
 from ._backward import backward as tape_backward
 from ._kernels import KernelCache
@@ -57,7 +56,8 @@ _META_IDS: dict[tuple[Any, ...], int] = {}  # node meta -> small int, so a struc
 _META_LIMIT = 1 << 20
 _intern_lock = threading.Lock()
 
-UpdateFn = Callable[[list[Array | None], OptState, list[Array]], tuple[list[Array], OptState]]
+StepFn = Callable[[list[tuple[Array, ...] | None], list[Array], OptState], Any]
+"""A step over the slots' cotangents, ``(parts, values, state) -> outcome`` (the optimizer's :func:`tapeflow._step.step`)."""
 
 
 def _intern(meta: tuple[Any, ...]) -> int:
@@ -223,17 +223,16 @@ class LazyGrads:
     def step(
         self,
         slot_leaves: Sequence[tuple[NodeId, ...] | None],
-        update: UpdateFn,
+        step_fn: StepFn,
         values: list[Array],
         state: OptState,
-        check_finite: bool,
-    ) -> tuple[list[Array], OptState, Array | None]:
-        """Run the step program: ``(new slot values, new optimizer state, per-slot finite flags or None)``.
+    ) -> Any:
+        """Run the step program: the pending forward, the reverse sweep, then ``step_fn``; returns what it returns.
 
-        ``slot_leaves[k]`` are the leaves (in recording order) whose cotangents,
-        summed by :func:`~tapeflow._grads.sum_in_leaf_order` (the one rule), update slot ``k``
-        (None: unused); ``update`` is the optimizer's pure update for this
-        ``used`` pattern (part of the program's key).
+        ``slot_leaves[k]`` are the leaves (in recording order) whose cotangents
+        update slot ``k`` (None: unused); ``step_fn(parts, values, state)`` is
+        :func:`tapeflow._step.step` for one optimizer (part of the program's
+        key), given each slot's cotangents.
         """
         pending, given = _split(self.tape)
         slots = tuple(slot_leaves)
@@ -241,28 +240,14 @@ class LazyGrads:
         def build() -> Callable[..., Any]:
             skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-            def step(
-                given: list[Array], seed: Array | None, values: list[Array], state: OptState
-            ) -> tuple[list[Array], OptState, Array, Array | None]:
+            def program(given: list[Array], seed: Array | None, values: list[Array], state: OptState) -> Any:
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
-                summed = [None if ls is None else _grads.sum_in_leaf_order([by_leaf[i] for i in ls]) for ls in slots]
-                flags = None
-                if check_finite:  # as Optimizer.step: every leaf's cotangent, before any update
-                    flags = jnp.stack(
-                        [
-                            jnp.array(True)
-                            if ls is None
-                            else jnp.all(jnp.stack([jnp.all(jnp.isfinite(by_leaf[i])) for i in ls]))
-                            for ls in slots
-                        ]
-                    )
-                new_vals, new_state = update(summed, state, values)
-                new_vals = [jnp.asarray(n, v.dtype) for n, v in zip(new_vals, values)]  # never weakly typed
-                return new_vals, new_state, value, flags
+                parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
+                return step_fn(parts, values, state), value
 
-            return jax.jit(step)
+            return jax.jit(program)
 
-        key = self._key("step", pending, slots, update, check_finite)
-        new_vals, new_state, root, flags = _program(key, build)(given, self.seed, values, state)
+        key = self._key("step", pending, slots, step_fn)
+        out, root = _program(key, build)(given, self.seed, values, state)
         self._set_root(root)
-        return new_vals, new_state, flags
+        return out

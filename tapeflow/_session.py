@@ -210,6 +210,21 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         self.materialize()
         return self._tape
 
+    @property
+    def recording(self) -> Tape:
+        """The current tape value as recorded: a lazy session's uncomputed nodes hold ``PENDING`` (nothing is computed).
+
+        For what a node *is* (op, shape, dtype, ``requires_grad``) without paying
+        for its value; :attr:`tape` computes the values first.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session(lazy=True)
+        >>> y = s.input(jnp.ones(2)) * 2.0
+        >>> s.recording[y.id].op, s.recording[y.id].shape
+        ('mul', (2,))
+        """
+        return self._tape
+
     def materialize(self) -> None:
         """Compute every value a lazy session has recorded but not computed (one compiled program); else nothing.
 

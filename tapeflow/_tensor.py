@@ -342,11 +342,11 @@ class Tensor(TensorOps):
 
     @property
     def op(self) -> str | None:
-        return check_handle(self, self._session)._tape[self.id].op  # no value needed: a lazy node stays pending
+        return check_handle(self, self._session).recording[self.id].op  # no value needed: a lazy node stays pending
 
     @property
     def requires_grad(self) -> bool:
-        return bool(check_handle(self, self._session)._tape[self.id].requires_grad)
+        return bool(check_handle(self, self._session).recording[self.id].requires_grad)
 
     def numpy(self) -> np.ndarray:
         return np.asarray(self.value)
@@ -388,7 +388,7 @@ class Tensor(TensorOps):
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, {state})"
         if s.generation != self._generation:
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, stale)"
-        nd = s._tape[self.id]  # no value shown: a lazy node stays pending
+        nd = s.recording[self.id]  # no value shown: a lazy node stays pending
         op = "leaf" if nd.op is None else nd.op
         grad = ", requires_grad" if nd.requires_grad else ""
         return f"Tensor({spec}, op={op}, id={self.id}, gen={self._generation}{grad})"

@@ -686,13 +686,13 @@ class TestMetadata:
         path, _ = saved
         outside = sys.unraisablehook
         seen = []
-        real = ckpt._checkpointer
+        real = ckpt.checkpointer
 
         def spy():
             seen.append(sys.unraisablehook)
             return real()
 
-        monkeypatch.setattr(ckpt, "_checkpointer", spy)
+        monkeypatch.setattr(ckpt, "checkpointer", spy)
         regs, opt, sess = make_model(5)
         tfl.restore(path, regs, opt, sess)
         assert seen and all(h is outside for h in seen)
