@@ -7,18 +7,18 @@
 4.0
 """
 
-from . import (  # noqa: F401
-    _ops_math,
-    _ops_nn,
-    _ops_shape,
-    nn,
-)
-from ._backward import backward, backward_graph
-from ._checkpoint import CheckpointError, restore, save
-from ._commit import StateWriteError
-from ._extend import defop, lift
-from ._functional import TrainStep, param_values, train_step, value_and_grad
-from ._functions import (  # every public op, generated from the registry, plus dropout
+from . import nn  # noqa: F401
+from ._core._backward import backward, backward_graph
+from ._core._jvp import jvp
+from ._core._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
+from ._core._precision import dynamic_loss_scale
+from ._core._registry import REGISTRY, OpDef, ops
+from ._core._result import Err, Ok, Result, TapeError
+from ._core._tape import Node, Tape, keep_tape_on_error, leaf, record
+from ._serialization._checkpoint import CheckpointError, restore, save
+from ._shell._commit import StateWriteError
+from ._shell._extend import defop, lift
+from ._shell._functions import (  # every public op, generated from the registry, plus dropout
     abs,
     add,
     astype,
@@ -76,18 +76,13 @@ from ._functions import (  # every public op, generated from the registry, plus 
     transpose,
     where,
 )
-from ._grads import Grads, ParameterGroup
-from ._jvp import jvp
-from ._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
-from ._optim import Optimizer
-from ._params import Param, Storage, canonical_indices, tie
-from ._precision import dynamic_loss_scale
-from ._registry import REGISTRY, OpDef, ops
-from ._remat import checkpoint
-from ._result import Err, Ok, Result, TapeError
-from ._session import RationalFallbackWarning, Session
-from ._tape import Node, Tape, keep_tape_on_error, leaf, record
-from ._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
+from ._shell._grads import Grads, ParameterGroup
+from ._shell._params import Param, Storage, canonical_indices, tie
+from ._shell._remat import checkpoint
+from ._shell._session import RationalFallbackWarning, Session
+from ._shell._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
+from ._train._functional import TrainStep, param_values, train_step, value_and_grad
+from ._train._optim import Optimizer
 
 __version__ = "0.1.0"
 
@@ -112,7 +107,7 @@ __all__ = [
     "TapeError",
     "Tensor",
     "TrainStep",
-    # op functions (tapeflow._functions)
+    # op functions (tapeflow._shell._functions)
     "abs",
     "add",
     "apply",

@@ -3,7 +3,7 @@
 Python hashes ``True``, ``1``, ``1.0`` and ``np.int64(1)`` alike, so a cache
 keyed by plain values would let ``sum(axis=True)`` find the entry that
 ``sum(axis=1)`` left behind. The kernel caches are keyed by
-:func:`tapeflow._registry.attr_key` (value and type); NumPy scalars are
+:func:`tapeflow._core._registry.attr_key` (value and type); NumPy scalars are
 normalized to the equal Python scalar first. These tests compare each rejection
 in a fresh cache with the same rejection after the accepted look-alike was
 cached, on the pure core (``tfl.record``) and through a ``Session``.
@@ -17,7 +17,7 @@ import pytest
 from _helpers import _assert_unchanged, _state
 
 import tapeflow as tfl
-from tapeflow import _registry as R
+from tapeflow._core import _registry as R
 
 # (op, operand shapes, accepted attrs, rejected look-alike attrs, text in the error)
 LOOKALIKES = [

@@ -21,9 +21,16 @@ import optax
 import pytest
 
 import tapeflow as tfl
-import tapeflow._checkpoint as ckpt
+import tapeflow._serialization._checkpoint as ckpt
 from tapeflow import CheckpointError
-from tapeflow._checkpoint import CheckpointMeta, LeafEntry, OptimizerEntry, ParamEntry, SessionEntry, StorageEntry
+from tapeflow._serialization._checkpoint import (
+    CheckpointMeta,
+    LeafEntry,
+    OptimizerEntry,
+    ParamEntry,
+    SessionEntry,
+    StorageEntry,
+)
 
 pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
 
@@ -457,7 +464,7 @@ class TestRejections:
 
     def test_silent_bit_flip_is_caught_by_digest(self, saved, monkeypatch):
         """Orbax may read flipped payload bytes without error; the saved digest catches it."""
-        import tapeflow._checkpoint as ck
+        import tapeflow._serialization._checkpoint as ck
 
         path, _ = saved
         real = ck._digest

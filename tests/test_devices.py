@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
         else:
             raise AssertionError(f"Session(device={bad!r}) did not raise")
     # default_device() follows JAX's default-device setting (a device or a platform name)
-    from tapeflow._device import default_device
+    from tapeflow._core._device import default_device
     assert default_device() == cpus[0]
     with jax.default_device(cpus[2]):
         assert default_device() == cpus[2]

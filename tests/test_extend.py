@@ -27,7 +27,7 @@ import pytest
 
 import tapeflow as tfl
 from tapeflow import TapeError, _kernels
-from tapeflow import _registry as R
+from tapeflow._core import _registry as R
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-9  # float64 (the suite's conftest enables x64)

@@ -880,7 +880,7 @@ class TestTrainStepSeams:
     def test_train_step_is_train_step_class_with_the_same_options(self):
         import inspect
 
-        from tapeflow._functional import TrainStepOptions
+        from tapeflow._train._functional import TrainStepOptions
 
         kw_only = [n for n, p in inspect.signature(tfl.TrainStep).parameters.items() if p.kind is p.KEYWORD_ONLY]
         assert sorted(kw_only) == sorted(TrainStepOptions.__annotations__)

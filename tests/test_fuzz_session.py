@@ -67,7 +67,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import tapeflow as tfl
 from tapeflow import CheckpointError, TapeError
-from tapeflow._registry import REQUIRED
+from tapeflow._core._registry import REQUIRED
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(?s)Exception ignored.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"

@@ -18,7 +18,7 @@ from _helpers import _arr, close
 
 import tapeflow as tfl
 from tapeflow import TapeError
-from tapeflow._grads import sum_in_leaf_order
+from tapeflow._shell._grads import sum_in_leaf_order
 
 # =========================================================================== gradients
 

@@ -17,7 +17,7 @@ from _helpers import FOREIGN_MSG, STALE_MSG, _arr, _assert_unchanged, _state, cl
 
 import tapeflow as tfl
 from tapeflow import TapeError
-from tapeflow import _registry as R
+from tapeflow._core import _registry as R
 
 
 def _leaves(*arrays):

@@ -19,8 +19,9 @@ import pytest
 from _helpers import _assert_unchanged, _state
 
 import tapeflow as tfl
-from tapeflow import _kernels, _random
-from tapeflow import _registry as R
+from tapeflow._core import _kernels
+from tapeflow._core import _registry as R
+from tapeflow._shell import _random
 
 
 @pytest.fixture(autouse=True)

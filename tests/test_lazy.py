@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import tapeflow as tfl
-from tapeflow import _lazy
-from tapeflow._tape import PENDING
+from tapeflow._core._tape import PENDING
+from tapeflow._shell import _lazy
 
 F32 = np.float32
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -258,7 +258,7 @@ def test_reading_gradients_first_works_as_two_programs():
 
 
 def test_fill_pending_is_the_one_in_place_write_and_every_sharing_tape_sees_it():
-    from tapeflow._tape import fill_pending
+    from tapeflow._core._tape import fill_pending
 
     s = tfl.Session(lazy=True)
     x = s.input(np.array([1.0, 2.0], F32))
@@ -391,7 +391,7 @@ def test_structure_key_is_interned_once_per_node():
 
 
 def test_a_redefined_user_op_is_not_served_by_an_old_program():
-    from tapeflow._registry import unregister
+    from tapeflow._core._registry import unregister
 
     def run():
         with tfl.Session(lazy=True) as s:

@@ -1,7 +1,7 @@
 """One step semantics on every path: eager ``Optimizer.step``, a lazy session's fused step, ``train_step``.
 
 Each test runs the same scenario on the three paths through one parametrized
-fixture; the spy test checks that every path runs ``tapeflow._step.step``.
+fixture; the spy test checks that every path runs ``tapeflow._train._step.step``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import tapeflow as tfl
-from tapeflow import _step
+from tapeflow._train import _step
 
 PATHS = ["eager", "lazy", "train_step"]
 
@@ -101,7 +101,7 @@ def test_every_path_runs_the_one_step(path, monkeypatch):
     w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
     opt = tfl.Optimizer(optax.sgd(0.5), [w, tfl.tie(w)])  # a new optimizer: every path traces its step anew
     _run(path, lambda s: tfl.sum(w * w), opt)
-    assert calls, f"the {path} path did not run tapeflow._step.step"
+    assert calls, f"the {path} path did not run tapeflow._train._step.step"
     np.testing.assert_allclose(np.asarray(w.value), [0.0, 0.0])  # w - 0.5 * 2w
 
 

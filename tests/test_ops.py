@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import tapeflow as tfl
-from tapeflow._ops_shape import normalize_index
-from tapeflow._registry import fmt_spec
+from tapeflow._core._registry import fmt_spec
+from tapeflow._ops._shape import normalize_index
 
 assert jnp.zeros(()).dtype == jnp.float64, "tests/conftest.py must enable jax_enable_x64"
 
@@ -927,7 +927,7 @@ PUBLIC_CASES = [(name, case) for name, case in ALL if tfl.REGISTRY[name].public]
 
 
 def test_public_op_functions_exist_and_are_exported() -> None:
-    from tapeflow import _functions
+    from tapeflow._shell import _functions
 
     for name in tfl.ops():
         d = tfl.REGISTRY[name]
@@ -943,7 +943,7 @@ def test_public_op_functions_exist_and_are_exported() -> None:
 def test_op_function_signature_matches_opdef(name: str) -> None:
     import inspect
 
-    from tapeflow._registry import REQUIRED
+    from tapeflow._core._registry import REQUIRED
 
     d = tfl.REGISTRY[name]
     f = getattr(tfl, name)
@@ -975,7 +975,7 @@ def test_op_function_records_its_op(name: str, case: Case) -> None:
 
 
 def test_op_functions_normalize_attributes_once() -> None:
-    from tapeflow._registry import normalize_attrs
+    from tapeflow._core._registry import normalize_attrs
 
     assert normalize_attrs({"b": [1, [2, 3]], "a": slice(None, 2), "dtype": "float32"}) == (
         ("a", ("slice", None, 2, None)),
@@ -1010,7 +1010,7 @@ def test_op_function_operand_rules() -> None:
 
 
 def test_op_registration_reads_and_checks_the_forward_signature() -> None:
-    from tapeflow._registry import op
+    from tapeflow._core._registry import op
 
     def two(x: Any, y: Any = None, *, k: int) -> Any:
         return x

@@ -805,14 +805,14 @@ def test_state_tree_map_params_cannot_map_warns_and_still_trains():
     assert np.array_equal(np.asarray(b.value), np.ones(3, F32)) and not np.allclose(np.asarray(a.value), 1.0)
 
 
-# --------------------------------------------------------------------------- the tied sum comes from tapeflow._grads
+# --------------------------------------------------------------------------- the tied sum comes from tapeflow._shell._grads
 
 
 def test_step_takes_tied_sums_from_the_one_rule(monkeypatch):
     """Eagerly through Grads.group_gradient, lazily inside the fused step program: both sum with
-    tapeflow._grads.sum_in_leaf_order, never with a copy in the optimizer."""
-    import tapeflow._grads as grads_mod
-    import tapeflow._optim as optim_mod
+    tapeflow._shell._grads.sum_in_leaf_order, never with a copy in the optimizer."""
+    import tapeflow._shell._grads as grads_mod
+    import tapeflow._train._optim as optim_mod
 
     calls = []
     orig = grads_mod.sum_in_leaf_order

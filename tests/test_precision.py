@@ -10,8 +10,8 @@ import pytest
 
 import tapeflow as tfl
 from tapeflow import TapeError
-from tapeflow import _registry as R
-from tapeflow._precision import Precision
+from tapeflow._core import _registry as R
+from tapeflow._core._precision import Precision
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)

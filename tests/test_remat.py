@@ -566,7 +566,7 @@ def test_rational_operands_are_refused():
 
 
 def test_a_collected_wrapper_unregisters_its_op_and_tolerates_one_removed_by_hand(monkeypatch):
-    from tapeflow import _registry as R
+    from tapeflow._core import _registry as R
 
     kept, gone = tfl.checkpoint(lambda h: h * 2.0), tfl.checkpoint(lambda h: h * 3.0)
     names = kept.op_name, gone.op_name

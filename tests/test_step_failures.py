@@ -249,7 +249,7 @@ class TestStoragelessRegistrations:
 
 
 def test_deferred_interrupts_nest_and_deliver_after_the_outer_block():
-    from tapeflow._interrupts import deferred_interrupts
+    from tapeflow._core._interrupts import deferred_interrupts
 
     reached = []
     with pytest.raises(KeyboardInterrupt):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tapeflow as tfl
-from tapeflow import _registry
+from tapeflow._core import _registry
 
 # --------------------------------------------------------------------------- helpers
 
@@ -150,7 +150,7 @@ def test_node_view_shows_exactly_its_own_tapes_nodes():
 
 
 def test_append_node_appends_a_checked_node_as_it_is():
-    from tapeflow._tape import Node, append_node
+    from tapeflow._core._tape import Node, append_node
 
     v = jnp.ones(2)
     nd = Node(None, (), (), v, True, (2,), np.dtype("float32"))

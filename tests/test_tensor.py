@@ -17,9 +17,9 @@ import pytest
 from _helpers import FOREIGN_MSG, STALE_MSG, _assert_unchanged, _rng, _state, close
 
 import tapeflow as tfl
-import tapeflow._tensor
+import tapeflow._shell._tensor
 from tapeflow import TapeError
-from tapeflow._tensor import TensorOps
+from tapeflow._shell._tensor import TensorOps
 
 # =========================================================================== current session
 
@@ -415,8 +415,8 @@ class TestParamOperators:
         assert issubclass(tfl.Param, ops_cls) and tfl.Param.__mro__[1] is ops_cls
         assert not issubclass(tfl.Param, tfl.Tensor)
         assert "__mul__" not in vars(tfl.Param)
-        assert tfl.Param.__mul__ is tapeflow._tensor.TensorOps.__mul__
-        assert tfl.Tensor.__mul__ is tapeflow._tensor.TensorOps.__mul__
+        assert tfl.Param.__mul__ is tapeflow._shell._tensor.TensorOps.__mul__
+        assert tfl.Tensor.__mul__ is tapeflow._shell._tensor.TensorOps.__mul__
         skip = {"__module__", "__qualname__", "__doc__", "__slots__", "__firstlineno__", "__static_attributes__"}
         operators = sorted(set(vars(TensorOps)) - skip)
         expected = {"__add__", "__rmul__", "__matmul__", "__pow__", "__neg__", "__lt__", "__getitem__", "T", "sum"}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import tapeflow as tfl
-from tapeflow import _treescope
+from tapeflow._core import _treescope
 
 treescope = pytest.importorskip("treescope")
 

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import tapeflow as tfl
-from tapeflow._checkpoint_meta import SessionEntry, _schema
-from tapeflow._random import RNG_COUNTER_RANGE, RNG_SEED_RANGE
+from tapeflow._serialization._meta import SessionEntry, _schema
+from tapeflow._shell._random import RNG_COUNTER_RANGE, RNG_SEED_RANGE
 
 # -- 1. set_rng_state ------------------------------------------------------------
 

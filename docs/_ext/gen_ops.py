@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import tapeflow as tfl
-from tapeflow import _registry as R
+from tapeflow._core import _registry as R
 
 HEADER = """# Ops
 

@@ -1,4 +1,4 @@
-"""Write tapeflow/_functions.pyi from the op registry: ``python docs/_ext/gen_stubs.py``.
+"""Write tapeflow/_shell/_functions.pyi from the op registry: ``python docs/_ext/gen_stubs.py``.
 
 The op functions (``tfl.relu``, ``tfl.sum``, ...) are generated at import time,
 so IDEs and type checkers cannot see them in ``_functions.py``; the stub gives
@@ -14,23 +14,23 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tapeflow import _functions as F
-from tapeflow import _registry as R
-from tapeflow._params import Param
-from tapeflow._tensor import Tensor
+from tapeflow._core import _registry as R
+from tapeflow._shell import _functions as F
+from tapeflow._shell._params import Param
+from tapeflow._shell._tensor import Tensor
 
-STUB = Path(__file__).resolve().parents[2] / "tapeflow" / "_functions.pyi"
+STUB = Path(__file__).resolve().parents[2] / "tapeflow" / "_shell" / "_functions.pyi"
 
 # where each name an annotation may use comes from (builtins need no import)
 SOURCES: dict[str, str] = {
     "Sequence": "collections.abc",
     "ArrayLike": "numpy.typing",
     "DTypeLike": "numpy.typing",
-    "AttrValue": "._typing",
+    "AttrValue": ".._core._typing",
     "Operand": "._tensor",
     "Tensor": "." + Tensor.__module__.rpartition(".")[2],
     "Param": "." + Param.__module__.rpartition(".")[2],
-    **{name: "._registry" for name in R.ATTR_TYPES},
+    **{name: ".._core._registry" for name in R.ATTR_TYPES},
 }
 ALWAYS = {"Operand", "Tensor"}  # every op function takes an Operand and returns a Tensor
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._commit import commit
-from .._params import Param, Storage
-from .._registry import fmt_spec
+from .._core._registry import fmt_spec
+from .._shell._commit import commit
+from .._shell._params import Param, Storage
 from ._layers import Conv2d, Embedding, LayerNorm, Linear, MultiHeadAttention, Sequential, TiedLinear
 from ._module import Module
 from ._norm import BatchNorm1d, BatchNorm2d

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .. import _functions as F
-from .._checks import int_pair, is_int
-from .._params import Param, tie
-from .._registry import Padding, Pair
-from .._tensor import Operand, Tensor
-from .._typing import Array, DTypeLike, PRNGKey
+from .._core._checks import int_pair, is_int
+from .._core._registry import Padding, Pair
+from .._core._typing import Array, DTypeLike, PRNGKey
+from .._shell import _functions as F
+from .._shell._params import Param, tie
+from .._shell._tensor import Operand, Tensor
 from ._module import Module
 
 __all__ = [

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
-from .. import _treescope
-from .._params import Param, canonical_indices
-from .._registry import fmt_spec
-from .._state import note_mode_read
+from .._core import _treescope
+from .._core._registry import fmt_spec
+from .._shell._params import Param, canonical_indices
+from .._shell._state import note_mode_read
 
 __all__ = ["Module"]
 

@@ -22,16 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _functions as F
-from .._params import Param
-from .._registry import is_float
-from .._result import TapeError
-from .._tensor import Tensor, session_of
-from .._typing import DTypeLike
+from .._core._registry import is_float
+from .._core._result import TapeError
+from .._core._typing import DTypeLike
+from .._shell import _functions as F
+from .._shell._params import Param
+from .._shell._tensor import Tensor, session_of
 from ._module import Module
 
 if TYPE_CHECKING:
-    from .._session import Session
+    from .._shell._session import Session
 
 __all__ = ["BatchNorm1d", "BatchNorm2d"]
 

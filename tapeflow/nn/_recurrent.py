@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _functions as F
-from .._params import Param
-from .._result import TapeError
-from .._tensor import Operand, Tensor, session_of
-from .._typing import DTypeLike, PRNGKey
+from .._core._result import TapeError
+from .._core._typing import DTypeLike, PRNGKey
+from .._shell import _functions as F
+from .._shell._params import Param
+from .._shell._tensor import Operand, Tensor, session_of
 from ._module import Module
 
 __all__ = ["GRUCell", "LSTMCell"]

@@ -1,0 +1,1 @@
+"""The pure core: types, results, devices, kernel caches, the op registry, the tape, backward and jvp."""

@@ -1,0 +1,1 @@
+"""Checkpoints: metadata, orbax access and atomic saves, save and restore."""

@@ -1,0 +1,1 @@
+"""The stateful shell: tensors, parameters, gradients, random draws, state cells, lazy recordings, Session."""

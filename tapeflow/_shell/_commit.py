@@ -1,0 +1,154 @@
+"""The one way user-visible state changes: check everything, then write everything, or write nothing.
+
+Every change a user can observe between two calls (Param storages, an
+optimizer's state, state cells such as BatchNorm's running statistics, a
+session's RNG counter, a compiled step's counters, a restored checkpoint, a
+loaded state dict) goes through :func:`commit`:
+
+1. every new storage value is checked first: no JAX tracer (a value being
+   traced inside ``jax.jit``/``grad``/``vmap`` would outlive its trace and
+   destroy the model), the storage's shape and dtype (weak types are made
+   definite); the first problem raises :class:`StateWriteError` and nothing
+   has been written;
+2. then, with Ctrl-C held off (:class:`~tapeflow._core._interrupts.deferred_interrupts`),
+   every storage is written and every ``then`` setter runs, so an interrupt
+   lands before or after the whole change, never inside it.
+
+Setters passed as ``then`` must not fail (plain attribute assignments);
+anything that can fail belongs in the check phase of the caller.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> st = tfl.Storage(jnp.zeros(2))
+>>> commit([(st, jnp.ones(2))], where="example")
+>>> st.read_current().tolist()
+[1.0, 1.0]
+>>> try:
+...     commit([(st, jnp.ones(3))], where="example")
+... except StateWriteError as e:
+...     print(str(e).split(";")[0])
+example: cannot write a float32[3] value into <Storage #... float32[2]>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import _registry as R
+from .._core._device import device_of
+from .._core._interrupts import deferred_interrupts
+from .._core._result import TapeError
+from .._core._typing import Array, ArrayLike
+
+if TYPE_CHECKING:
+    from ._params import Storage  # commit sits below _params: Param.value writes through it
+
+__all__ = ["StateWriteError", "check_write", "commit"]
+
+
+class StateWriteError(TapeError):
+    """A state write was refused before anything changed (a tracer, or a value of the wrong shape or dtype).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.zeros(2), name="w")
+    >>> try:
+    ...     w.value = jnp.zeros(3)
+    ... except tfl.StateWriteError as e:
+    ...     print(type(e).__mro__[1].__name__, w.value.shape)
+    TapeError (2,)
+    """
+
+
+def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = None) -> Array | np.ndarray:
+    """``value`` as it will be stored in ``st`` (a definite-typed array), or :class:`StateWriteError`.
+
+    ``label`` names the parameter in the message (default: the storage's repr).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> check_write(tfl.Storage(jnp.zeros(())), 1.0, "example").dtype
+    dtype('float32')
+    """
+    what = repr(st) if label is None else label
+    if isinstance(value, jax.core.Tracer):
+        raise StateWriteError(
+            f"{where}: the new value of {what} is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), "
+            "so it cannot be stored: a storage never holds a tracer. Call the step outside the transformation, "
+            "or use tfl.value_and_grad for a pure function that returns new values instead of writing them"
+        )
+    v: Array | np.ndarray
+    if isinstance(value, jax.Array):
+        v = value
+    elif st.dtype == R.OBJECT:  # exact rationals stay NumPy object arrays
+        v = np.asarray(value, dtype=object)
+    else:
+        v = jnp.asarray(value, st.dtype if isinstance(value, (int, float, bool)) else None)
+    shape, dtype = tuple(v.shape), np.dtype(v.dtype)
+    if shape != st.shape or dtype != st.dtype:
+        raise StateWriteError(
+            f"{where}: cannot write a {R.fmt_spec((shape, dtype))} value into {what}; a parameter keeps its "
+            f"shape and dtype {R.fmt_spec((st.shape, st.dtype))} (create a new Param to change them); "
+            "nothing was written"
+        )
+    if isinstance(v, jax.Array) and v.weak_type:
+        v = jnp.asarray(v, st.dtype)
+    return v
+
+
+def commit(
+    writes: Iterable[tuple[Storage, ArrayLike]] = (),
+    *,
+    where: str,
+    label: Callable[[int], str] | None = None,
+    then: Iterable[Callable[[], None]] = (),
+    replacing: Sequence[Array] | None = None,
+) -> None:
+    """Check every ``(storage, value)`` of ``writes``, then write them all and run ``then``, as one unit.
+
+    ``where`` names the caller in error messages (``"Optimizer.step"``,
+    ``"restore"``); ``label(k)`` names the parameter of write ``k`` (called
+    only for a message). ``replacing`` (the fast path of a single-device
+    program) holds the current values the first ``len(replacing)`` writes
+    replace, as :meth:`Storage.read_current_many` returned them and the
+    program read them: each new value must live on the device of the value it
+    replaces, and goes into that cell without placement. Every other value
+    on another device than its host cell becomes the device mirror
+    (:meth:`Storage.write` with ``on_device=True``).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> a, b = tfl.Storage(jnp.zeros(1)), tfl.Storage(jnp.zeros(1))
+    >>> log = []
+    >>> commit([(a, jnp.ones(1)), (b, jnp.full(1, 2.0))], where="example", then=[lambda: log.append("done")])
+    >>> a.read_current().tolist(), b.read_current().tolist(), log
+    ([1.0], [2.0], ['done'])
+    """
+    pairs = list(writes)
+    olds = () if replacing is None else replacing
+    checked: list[tuple[Storage, Array | np.ndarray]] = []
+    for k, (st, v) in enumerate(pairs):
+        got: Array | np.ndarray
+        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and not v.weak_type:
+            got = v  # the common case: only shape and dtype to check
+            if got.shape != st.shape or got.dtype != st.dtype:
+                got = check_write(st, v, where, None if label is None else label(k))  # raises
+        else:
+            got = check_write(st, v, where, None if label is None else label(k))
+        if k < len(olds) and device_of(got) != device_of(olds[k]):
+            raise StateWriteError(
+                f"{where}: the new value of {repr(st) if label is None else label(k)} lives on "
+                f"{device_of(got)}, not on {device_of(olds[k])} where the parameter's current value is; "
+                "nothing was written"
+            )
+        checked.append((st, got))
+    setters = list(then)
+    with deferred_interrupts():
+        fast = len(olds)
+        if fast:
+            type(checked[0][0]).write_current_many([st for st, _ in checked[:fast]], [v for _, v in checked[:fast]])
+        for st, v in checked[fast:]:
+            st.write(v, on_device=True)
+        for f in setters:
+            f()

@@ -1,0 +1,301 @@
+"""Gradients of one recording: parameter groups, per-storage sums, and buffer ownership.
+
+This module is **the one home** of the tied-weight rule: the cotangents of all
+leaves that share one :class:`~tapeflow.Storage` are summed in recording order
+by :func:`sum_in_leaf_order`. ``grads[param]``, :meth:`Grads.storage_gradients`
+(used by :func:`~tapeflow.value_and_grad` and :func:`~tapeflow.train_step`) and
+:class:`~tapeflow.Optimizer` all reach it through :meth:`Grads.group_gradient`,
+so their sums are bit-identical.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.array(2.0), name="w")
+>>> w2 = tfl.tie(w, name="w2")
+>>> with tfl.Session() as s:
+...     g = s.backward(w * 3.0 + w2 * 4.0)     # two leaves, one storage
+...     float(g[w]), [len(grp.leaves) for grp in g.groups]
+(7.0, [2])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, cast
+
+import numpy as np
+
+from .._core._backward import add_cotangents
+from .._core._result import TapeError
+from .._core._typing import Array, NodeId
+from ._params import Param, Storage, canonical_indices
+from ._tensor import Tensor
+
+__all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "sum_in_leaf_order"]
+
+ParameterRecord: TypeAlias = Any
+"""What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
+
+GradKey: TypeAlias = "Param | Storage | Tensor | NodeId"
+"""What ``grads[...]`` accepts: a Param or Storage (summed per storage), a Tensor handle or a node id (one leaf)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterGroup:
+    """The trainable parameter leaves of one recording that share one storage.
+
+    ``id`` is the first leaf (the optimizer key), ``leaves`` are in recording
+    order, ``parameter`` is the record used at the first leaf, ``storage`` its
+    storage (None for a registration without a storage descriptor).
+    """
+
+    id: int
+    parameter: ParameterRecord
+    leaves: tuple[int, ...]
+    storage: Storage | None
+
+    @property
+    def shared(self) -> bool:
+        return len(self.leaves) > 1
+
+
+def group_parameter_leaves(
+    params_by_leaf: Mapping[NodeId, ParameterRecord], storage_by_leaf: Mapping[NodeId, Storage]
+) -> list[ParameterGroup]:
+    """Group registrations by storage identity, in recording order, without reading tensor data.
+
+    Registrations without a storage descriptor stay separate groups.
+    """
+    leaf_ids = sorted(params_by_leaf)
+    canon = canonical_indices([storage_by_leaf.get(i) for i in leaf_ids])
+    members: dict[int, list[int]] = {}
+    order: list[int] = []
+    for pos, c in enumerate(canon):
+        key = pos if c is None else c
+        if key not in members:
+            members[key] = []
+            order.append(key)
+        members[key].append(leaf_ids[pos])
+    groups = []
+    for key in order:
+        leaves = members[key]
+        first = leaves[0]
+        groups.append(ParameterGroup(first, params_by_leaf[first], tuple(leaves), storage_by_leaf.get(first)))
+    return groups
+
+
+def sum_in_leaf_order(parts: Sequence[Array]) -> Array:
+    """Sum the cotangents of one storage's leaves in recording order.
+
+    A single cotangent is returned as the very same array (no copy, no add). The
+    optimizer and ``grads[param]`` both use this, so their sums are bit-identical.
+    """
+    g = parts[0]
+    for extra in parts[1:]:
+        # recorded gradients (backward(create_graph=True)) are Tensors: their sum is recorded too
+        g = g + extra if isinstance(g, Tensor) else add_cotangents(g, extra)
+    return g
+
+
+class PendingGradients(Protocol):
+    """Gradients a lazy session computes on first read (:class:`tapeflow._shell._lazy.LazyGrads`)."""
+
+    def resolve(self) -> dict[NodeId, Array]: ...
+
+
+class Grads(Mapping[GradKey, Array]):
+    """The result of :meth:`Session.backward`.
+
+    * ``grads[param]``: the gradient of a :class:`Param`, summed over every leaf
+      of its storage in recording order (a singleton is handed through as the
+      very same array).
+    * ``grads[tensor]`` / ``grads[node_id]``: the raw cotangent of one leaf.
+    * ``grads.groups``: the :class:`ParameterGroup` s of the recording.
+
+    It holds its buffers until released: use it as a context manager (or call
+    :meth:`release`); releasing twice is safe. Releasing drops the references,
+    so JAX frees every buffer nobody else holds, and never one the user kept.
+    """
+
+    def __init__(
+        self,
+        by_leaf: dict[NodeId, Array] | PendingGradients,
+        groups: list[ParameterGroup],
+        owner: int,
+        generation: int,
+    ) -> None:
+        # a lazy session's gradients are computed when first read (or fused into an optimizer step)
+        self.pending: PendingGradients | None = None
+        if isinstance(by_leaf, dict):
+            self._by_leaf = by_leaf
+        else:
+            self.pending, self._by_leaf = by_leaf, {}
+        self.groups = groups
+        self.owner = owner
+        self.generation = generation
+        self._group_of_storage: dict[int, ParameterGroup] = {}
+        for g in groups:
+            if g.storage is not None:
+                self._group_of_storage[id(g.storage)] = g
+        self._sums: dict[NodeId, Array] = {}
+        # leaves an optimizer can consume: a registration without a storage has nothing to update,
+        # so it never holds the other groups' buffers past the last optimizer step
+        self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
+        self.released = False
+        self._consumed: set[NodeId] = set()
+
+    @property
+    def by_leaf(self) -> dict[NodeId, Array]:
+        """``{leaf id: cotangent}`` (a lazy session's are computed here, on first read)."""
+        if self.pending is not None:
+            self._by_leaf = self.pending.resolve()
+            self.pending = None
+        return self._by_leaf
+
+    # -- gradient per group ----------------------------------------------------
+    def group_gradient(self, group: ParameterGroup) -> Array | None:
+        """The summed gradient of ``group`` (the leaf's own array for a singleton)."""
+        self._check_live()
+        got = self._sums.get(group.id)
+        if got is None and len(group.leaves) == 1:
+            return self.by_leaf.get(group.leaves[0])
+        if got is None:
+            parts = [self.by_leaf[i] for i in group.leaves if i in self.by_leaf]
+            if not parts:
+                return None
+            got = sum_in_leaf_order(parts)
+            self._sums[group.id] = got
+        return got
+
+    def group_value(self, group: ParameterGroup) -> Array | None:
+        """:meth:`group_gradient` as an array: a recorded (``create_graph``) gradient gives its value."""
+        g = self.group_gradient(group)
+        return g.value if isinstance(g, Tensor) else g
+
+    def leaf_values(self, group: ParameterGroup) -> tuple[Array, ...]:
+        """The cotangent array of each leaf of ``group`` (values of recorded gradients), in leaf order."""
+        return tuple(v.value if isinstance(v, Tensor) else v for v in (self.by_leaf[i] for i in group.leaves))
+
+    def set_group_gradient(self, group: ParameterGroup, value: Array) -> None:
+        """Make ``value`` the gradient of ``group`` (what a Param hook returned); read by every consumer."""
+        self._check_live()
+        self._sums[group.id] = value
+
+    def storage_gradients(self, storages: Sequence[Storage]) -> list[Array | None]:
+        """One summed gradient per storage, in the order given (None: the recording did not use it).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> a, b = tfl.Param(jnp.array(1.0)), tfl.Param(jnp.array(1.0))
+        >>> with tfl.Session() as s:
+        ...     g = s.backward(a * 2.0 + tfl.tie(a) * 3.0)
+        ...     [None if v is None else float(v) for v in g.storage_gradients([a.storage, b.storage])]
+        [5.0, None]
+        """
+        out: list[Array | None] = []
+        for st in storages:
+            g = self._group_of_storage.get(id(st))
+            out.append(None if g is None else self.group_gradient(g))
+        return out
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise TapeError(
+                "these gradients were released (Grads.release() or the end of its with block); run backward again"
+            )
+
+    def group_of(self, key: object) -> ParameterGroup | None:
+        """The parameter group of ``key``'s storage (a Param or Storage) in this recording, or None if it was not used."""
+        if isinstance(key, Param):
+            return self._group_of_storage.get(id(key.storage))
+        if isinstance(key, Storage):
+            return self._group_of_storage.get(id(key))
+        return None
+
+    def __getitem__(self, key: GradKey) -> Array:
+        self._check_live()
+        if isinstance(key, (Param, Storage)):
+            g = self.group_of(key)
+            val = None if g is None else self.group_gradient(g)
+            if val is None and g is not None and g.id in self._consumed:
+                raise KeyError(
+                    f"the gradient of {key!r} was consumed (and freed) by an Optimizer.step; "
+                    "read grads[param] before the step if you need it"
+                )
+            if val is None:
+                raise KeyError(
+                    f"{key!r} was not used as a trainable parameter in this recording, so it has no gradient; "
+                    "grads.get(param) returns None instead of raising"
+                )
+            return val
+        if isinstance(key, Tensor):
+            if key.owner != self.owner or key.generation != self.generation:
+                raise KeyError(f"{key!r} does not belong to the recording these gradients came from")
+            key = key.id
+        if isinstance(key, (int, np.integer)) and int(key) in self.by_leaf:
+            return self.by_leaf[int(key)]
+        raise KeyError(f"no gradient for {key!r}: it is not a leaf that requires grad and was reached from the loss")
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[cast(GradKey, key)]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[int]:
+        self._check_live()
+        return iter(self.by_leaf)
+
+    def __len__(self) -> int:
+        self._check_live()
+        return len(self.by_leaf)
+
+    def params(self) -> list[tuple[ParameterRecord, Array]]:
+        """``(parameter, gradient)`` for each group, in recording order."""
+        out = []
+        for g in self.groups:
+            v = self.group_gradient(g)
+            if v is not None:
+                out.append((g.parameter, v))
+        return out
+
+    def consume(self, groups: Sequence[ParameterGroup]) -> None:
+        """Let go of the buffers of ``groups`` (an optimizer has used them).
+
+        Once every parameter group with a storage is consumed the whole object is
+        released, so two optimizers over disjoint parameters can share one
+        ``Grads`` (registrations without a storage are never an optimizer's to
+        consume, so they do not keep it alive).
+        """
+        if self.released:
+            return
+        for g in groups:
+            for i in g.leaves:
+                self._by_leaf.pop(i, None)
+            self._sums.pop(g.id, None)
+            self._param_leaves.difference_update(g.leaves)
+            self._consumed.add(g.id)
+        if not self._param_leaves:
+            self.release()
+
+    def release(self) -> None:
+        """Let go of every buffer these gradients hold (idempotent); arrays the user kept stay valid."""
+        if self.released:
+            return
+        self.released = True
+        self.pending = None
+        self._by_leaf = {}
+        self._sums = {}
+
+    def __enter__(self) -> Grads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = (
+            "released"
+            if self.released
+            else f"{len(self._by_leaf) if self.pending is None else 'pending'} leaves, {len(self.groups)} parameter groups"
+        )
+        return f"Grads({state})"

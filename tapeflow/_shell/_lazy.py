@@ -1,0 +1,253 @@
+"""Lazy sessions: record now, compute when a value is needed, one compiled program per step.
+
+A ``Session(lazy=True)`` checks every op exactly as an eager session does (the
+output shape and dtype come from the op's cached check, so every error is
+raised at record time with the same message and the tape unchanged), but it
+stores :data:`~tapeflow._core._tape.PENDING` instead of running the kernel. Values
+are computed by compiled *programs* of the whole recording:
+
+* reading a value (``.value``, ``float()``, printing, ``numpy()``, a state
+  write, ``jvp``) runs one **forward program** computing every pending node;
+* ``backward`` returns :class:`~tapeflow.Grads` whose arrays are computed, when
+  first read, by one **gradient program** (the pending forward, the reverse
+  sweep of :mod:`tapeflow._core._backward`, and the root's value);
+* an :meth:`Optimizer.step <tapeflow.Optimizer.step>` over lazy Grads nobody
+  read runs one **step program**: forward, backward, the per-storage sums of
+  :class:`~tapeflow.Grads` and the optimizer's pure :meth:`~tapeflow.Optimizer.update`,
+  as :func:`~tapeflow.train_step` does.
+
+A program is a pure function of the values the recording already holds
+(inputs, per-use parameter snapshots, constants, random draws, values computed
+earlier): they are always arguments, never constants baked into it. Programs
+are cached (a bounded LRU, ``"lazy"`` in :func:`~tapeflow.kernel_cache_info`)
+by the recording's *structure*: each node's op, attributes, parents, shape,
+dtype and ``requires_grad``, interned once per node as it is first keyed, plus
+which nodes are still pending and what the program returns.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> with tfl.Session(lazy=True) as s:
+...     x = s.input(jnp.arange(3.0), requires_grad=True)
+...     y = tfl.sum(x * x)
+...     y.node.op, s.tape[y.id].value.tolist()   # reading computes every pending node
+('sum', 5.0)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._core import _registry as R
+from .._core._backward import backward as tape_backward
+from .._core._kernels import KernelCache
+from .._core._result import TapeError
+from .._core._tape import PENDING, Tape, fill_pending, with_values
+from .._core._typing import Array, NodeId, OptState
+
+__all__ = ["LazyGrads", "LazyRecording", "materialize"]
+
+_PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
+_CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
+_META_IDS: dict[tuple[Any, ...], int] = {}  # node meta -> small int, so a structure key is a tuple of ints
+_META_LIMIT = 1 << 20
+_intern_lock = threading.Lock()
+
+StepFn = Callable[[list[tuple[Array, ...] | None], list[Array], OptState], Any]
+"""A step over the slots' cotangents, ``(parts, values, state) -> outcome`` (the optimizer's :func:`tapeflow._train._step.step`)."""
+
+
+def _intern(meta: tuple[Any, ...]) -> int:
+    i = _META_IDS.get(meta)
+    if i is None:
+        with _intern_lock:
+            if len(_META_IDS) >= _META_LIMIT:  # bounded: start over (old keys then simply miss)
+                _META_IDS.clear()
+                _PROGRAMS.clear()
+                _CHECKED.clear()
+            i = _META_IDS.setdefault(meta, len(_META_IDS))
+    return i
+
+
+class LazyRecording:
+    """The structure key of a lazy session's recording, extended as nodes are first keyed."""
+
+    __slots__ = ("exact", "keys")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.exact = False  # the recording holds exact-rational values (NumPy objects): it is computed eagerly
+
+    def truncate(self, n: int) -> None:
+        """The tape went back to ``n`` nodes (a failed backward put the old tape back)."""
+        if len(self.keys) > n:
+            del self.keys[n:]
+
+    def structure(self, tape: Tape) -> tuple[int, ...]:
+        """The interned structure of ``tape`` (each node keyed once, when first seen)."""
+        keys, n = self.keys, len(tape)
+        for nd in tape.nodes[len(keys) :]:
+            keys.append(_intern((nd.op, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
+        return tuple(keys) if len(keys) == n else tuple(keys[:n])
+
+
+def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
+    """The pending node ids of ``tape`` and the values of all the others, in node order."""
+    pending: list[NodeId] = []
+    given: list[Array] = []
+    for i, nd in enumerate(tape.nodes):
+        v = nd.value
+        if v is PENDING:
+            pending.append(i)
+        else:
+            given.append(v)
+    return tuple(pending), given
+
+
+def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
+    """Inside a trace: a tape like ``tape`` whose pending nodes are computed from ``given`` (the other values)."""
+    src = tape.nodes
+    values: list[Array] = []
+    it = iter(given)
+    for i, nd in enumerate(src):
+        if i in pending:
+            assert nd.op is not None
+            entry = R.get_fwd(nd.op, nd.attrs, tuple([src[p].spec for p in nd.parents]))
+            if isinstance(entry, str):  # the op was unregistered or redefined since it was recorded
+                raise TapeError(f"lazy session: cannot compute node #{i}: {nd.op}: {entry}")
+            values.append(entry.fn(*[values[p] for p in nd.parents]))
+        else:
+            values.append(next(it))
+    return with_values(tape, values)
+
+
+def _skeleton(tape: Tape) -> Tape:
+    """``tape`` without values (a program keeps only the structure, never the first call's arrays)."""
+    return with_values(tape, [None] * len(tape))
+
+
+def _program(key: tuple[Any, ...], build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    fn = _PROGRAMS.hit(key)
+    if fn is None:
+        fn = build()
+        _PROGRAMS.put(key, fn)
+    return fn
+
+
+def materialize(rec: LazyRecording, tape: Tape) -> None:
+    """Compute every pending node of ``tape`` with one compiled forward program; store the values in the nodes.
+
+    Nodes are shared by every tape value that contains them, so a value is
+    computed once (:func:`~tapeflow._core._tape.fill_pending`) and then read like an eager one.
+    """
+    pending, given = _split(tape)
+    if not pending:
+        return
+    struct = rec.structure(tape)
+
+    def build() -> Callable[..., Any]:
+        skel, pend = _skeleton(tape), frozenset(pending)
+
+        def forward(given: list[Array]) -> list[Array]:
+            replayed = _replay(skel, pend, given)
+            return [replayed[i].value for i in pending]
+
+        return jax.jit(forward)
+
+    outs = _program(("forward", struct, pending), build)(given)
+    fill_pending(tape, pending, outs)
+
+
+def _gradients(
+    skel: Tape, pend: frozenset[NodeId], given: list[Array], seed: Array | None, root: NodeId, ids: tuple[NodeId, ...]
+) -> tuple[dict[NodeId, Array], Array]:
+    """Inside a trace: the pending forward, then the reverse sweep; ``({id: cotangent}, root value)``."""
+    t = _replay(skel, pend, given)
+    return tape_backward(t, root, seed=seed, wrt=ids), t[root].value
+
+
+class LazyGrads:
+    """The gradients of one lazy ``backward``, computed when first needed (see :class:`~tapeflow.Grads`).
+
+    Holds the tape value it was taken from (its values are the programs'
+    arguments), the root, the seed and the requested ids. Programs keep only
+    the structure (:func:`_skeleton`), never a step's arrays.
+    """
+
+    __slots__ = ("ids", "root", "seed", "struct", "tape")
+
+    def __init__(self, rec: LazyRecording, tape: Tape, root: NodeId, seed: Array | None, ids: Sequence[NodeId]):
+        self.tape, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
+        self.struct = rec.structure(tape)
+
+    def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Any) -> tuple[Any, ...]:
+        seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))
+        return (kind, self.struct, pending, self.root, self.ids, seed, *extra)
+
+    def _set_root(self, value: Array) -> None:
+        fill_pending(self.tape, (self.root,), (value,))  # kept only while the root still waits for it
+
+    def _gradients_fn(self, pending: tuple[NodeId, ...]) -> Callable[..., tuple[list[Array], Array]]:
+        skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
+
+        def gradients(given: list[Array], seed: Array | None) -> tuple[list[Array], Array]:
+            by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
+            return [by_leaf[i] for i in ids], value
+
+        return gradients
+
+    def check(self) -> None:
+        """Trace the backward once per structure (shapes only), so what fails in a VJP fails in ``backward``.
+
+        An eager backward runs every VJP at once; a lazy one would otherwise
+        report a failing VJP (a user op's wrong cotangent, a checkpointed block
+        that reads other parameters) only when the gradients are computed.
+        """
+        pending, given = _split(self.tape)
+        key = self._key("grad", pending)
+        if _CHECKED.hit(key) is None:
+            jax.eval_shape(self._gradients_fn(pending), given, self.seed)
+            _CHECKED.put(key, True)
+
+    def resolve(self) -> dict[NodeId, Array]:
+        """Run the gradient program: ``{id: cotangent}`` for every requested id (and keep the root's value)."""
+        pending, given = _split(self.tape)
+        key = self._key("grad", pending)
+        cts, root = _program(key, lambda: jax.jit(self._gradients_fn(pending)))(given, self.seed)
+        self._set_root(root)
+        return dict(zip(self.ids, cts))
+
+    def step(
+        self,
+        slot_leaves: Sequence[tuple[NodeId, ...] | None],
+        step_fn: StepFn,
+        values: list[Array],
+        state: OptState,
+    ) -> Any:
+        """Run the step program: the pending forward, the reverse sweep, then ``step_fn``; returns what it returns.
+
+        ``slot_leaves[k]`` are the leaves (in recording order) whose cotangents
+        update slot ``k`` (None: unused); ``step_fn(parts, values, state)`` is
+        :func:`tapeflow._train._step.step` for one optimizer (part of the program's
+        key), given each slot's cotangents.
+        """
+        pending, given = _split(self.tape)
+        slots = tuple(slot_leaves)
+
+        def build() -> Callable[..., Any]:
+            skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
+
+            def program(given: list[Array], seed: Array | None, values: list[Array], state: OptState) -> Any:
+                by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
+                parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
+                return step_fn(parts, values, state), value
+
+            return jax.jit(program)
+
+        key = self._key("step", pending, slots, step_fn)
+        out, root = _program(key, build)(given, self.seed, values, state)
+        self._set_root(root)
+        return out

@@ -1,0 +1,534 @@
+"""Parameters and their storage identity.
+
+A :class:`Param` is a small public record (name, trainable flag) pointing at a
+:class:`Storage`: the mutable cells that hold the parameter's value. Two
+records alias exactly when they point at the *same* storage object;
+:func:`tie` is the only way to make that happen. Equal values or equal names
+never make two parameters aliases.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.zeros((3, 2)), name="w")
+>>> w_out = tfl.tie(w, name="w_out")
+>>> other = tfl.Param(jnp.zeros((3, 2)), name="w")
+>>> tfl.canonical_indices([w.storage, None, w_out.storage, other.storage])
+[0, None, 0, 3]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import _registry as R
+from .._core import _treescope
+from .._core._device import device_of
+from .._core._result import TapeError
+from .._core._typing import Array, ArrayLike, DTypeLike
+from ._commit import commit
+from ._tensor import RemovableHandle, TensorOps
+
+__all__ = [
+    "COMPLEX_HINT",
+    "Param",
+    "RationalFallbackWarning",
+    "Storage",
+    "ValuePolicy",
+    "canonical_indices",
+    "check_value_kind",
+    "tie",
+]
+
+COMPLEX_HINT = (
+    "complex values are not supported yet: gradients of complex inputs would be wrong; "
+    "use real and imaginary parts as two real tensors"
+)
+
+_storage_ids = itertools.count()
+_storage_lock = threading.Lock()
+
+
+def check_value_kind(x: object, where: str) -> None:
+    """Refuse values tapeflow cannot differentiate: complex ones, and object arrays not of exact rationals.
+
+    An object array is the exact-rational carrier: each element must be a
+    ``fractions.Fraction`` or an int (not a bool).
+
+    >>> import numpy as np
+    >>> check_value_kind(np.array([Fraction(1, 2), 3], dtype=object), "input")
+    >>> try:
+    ...     check_value_kind(np.array(["a"], dtype=object), "input")
+    ... except TapeError as e:
+    ...     print(str(e).split(";")[0])
+    input: an exact-rational (object) array holds a str element ('a')
+    """
+    dt = getattr(x, "dtype", None)
+    if dt is None and isinstance(x, (complex, list, tuple)):
+        try:
+            dt = np.asarray(x).dtype
+        except (TypeError, ValueError):
+            return  # not an array; whoever converts it reports that
+    if dt is None:
+        return
+    if np.dtype(dt).kind == "c":
+        raise TapeError(f"{where}: {COMPLEX_HINT}")
+    if np.dtype(dt) == R.OBJECT and isinstance(x, np.ndarray):
+        for e in x.flat:
+            if isinstance(e, (bool, np.bool_)) or not isinstance(e, (Fraction, int, np.integer)):
+                raise TapeError(
+                    f"{where}: an exact-rational (object) array holds a {type(e).__name__} element ({e!r:.40}); "
+                    "use fractions.Fraction or int elements"
+                )
+
+
+def _check_trainable(trainable: object, where: str) -> bool:
+    if not isinstance(trainable, (bool, np.bool_)):
+        raise TypeError(f"{where}: trainable must be a bool, got {type(trainable).__name__} {trainable!r:.40}")
+    return bool(trainable)
+
+
+def _as_array(value: ArrayLike) -> Array:
+    if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
+        return value.copy()
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, jax.Array):
+        # a weakly typed value (jnp.array(1.0)) is stored with its dtype made definite, so a
+        # compiled step sees one signature before and after its first update
+        return jnp.asarray(value, value.dtype) if value.weak_type else value
+    return jnp.asarray(value)
+
+
+class Storage:
+    """The mutable cells of one parameter: host value, device mirror, host-current flag.
+
+    Identity is the storage object itself; nothing here reads or compares
+    tensor elements. ``shape`` and ``dtype`` are fixed at creation.
+
+    * ``value`` (host cell): the value as last written on the host.
+    * ``mirror`` (device cell): the same value on a session's device, reused by
+      every later use on that device instead of uploading again.
+    * ``host_current``: False when an update wrote the mirror and the host cell
+      is stale; reading :attr:`Param.value` synchronizes it first.
+
+    :meth:`read` / :meth:`write` place and check values; :meth:`read_current` /
+    :meth:`write_current` (and their one-call forms for many storages, which a
+    compiled training step uses) are the unchecked fast path they are built on.
+    """
+
+    # _current is the value of the current cell (_host when _host_current, else _mirror);
+    # write_current_many, the one cell update, and read_host's sync keep it so
+    __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "hooks", "shape", "uid")
+
+    def __init__(self, value: ArrayLike) -> None:
+        v = _as_array(value)
+        check_value_kind(v, "Param")
+        self.shape: tuple[int, ...] = tuple(v.shape)
+        self.dtype: np.dtype = np.dtype(v.dtype)
+        self._host: Array = v
+        self._mirror: Array | None = None
+        self._host_current = True
+        self._current: Array = v
+        self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
+        with _storage_lock:
+            self.uid = next(_storage_ids)
+
+    # -- cells -----------------------------------------------------------------
+    @property
+    def host_current(self) -> bool:
+        return self._host_current
+
+    @property
+    def mirror(self) -> Array | None:
+        """The device mirror (a ``jax.Array``) or None when no device copy is cached."""
+        return self._mirror
+
+    @staticmethod
+    def read_current_many(storages: Iterable[Storage]) -> list[Array]:
+        """The current value of each storage, wherever it lives: no placement, no host sync.
+
+        The current cell is the device mirror when an update wrote it (the host
+        cell is then stale), else the host cell; every cell change records its
+        value, so this is one attribute read per storage (what
+        :meth:`read_current` and ``read(None)`` return), and a compiled step reads
+        all its storages with one call.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> a, b = tfl.Storage(jnp.zeros(2)), tfl.Storage(jnp.ones(1))
+        >>> [v.tolist() for v in tfl.Storage.read_current_many([a, b])]
+        [[0.0, 0.0], [1.0]]
+        """
+        return [s._current for s in storages]
+
+    @staticmethod
+    def write_current_many(storages: Iterable[Storage], values: Iterable[Array]) -> None:
+        """Replace the current cell of each storage with its new value (the fast write of a compiled step).
+
+        Each new value replaces the cell the current value lives in (the host
+        cell, dropping a cached mirror; or the mirror, leaving the stale host
+        cell stale), exactly as ``write(value, on_device=True)`` does for a value
+        on the current cell's device. **Nothing is checked**: each value must have
+        its storage's shape and dtype and live where :meth:`read_current_many`
+        found the old one (as the outputs of a single-device program computed
+        from those reads do); use :meth:`write` for anything else. This is the
+        one home of the cell update: :meth:`write` and :meth:`write_current` use it.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> st = tfl.Storage(jnp.zeros(2))
+        >>> tfl.Storage.write_current_many([st], [jnp.ones(2)])
+        >>> st.read_current().tolist(), st.host_current
+        ([1.0, 1.0], True)
+        """
+        for s, v in zip(storages, values):
+            if s._host_current:
+                s._host = v
+                s._mirror = None
+            else:
+                s._mirror = v
+            s._current = v
+
+    def read_current(self) -> Array:
+        """The current value wherever it lives (no placement, no host sync); see :meth:`read_current_many`."""
+        return self._current
+
+    def write_current(self, value: Array) -> None:
+        """Unchecked fast write into the current cell; see :meth:`write_current_many` for the contract."""
+        Storage.write_current_many((self,), (value,))
+
+    def read_host(self) -> Array:
+        """The current value on the host, synchronizing a newer device mirror first."""
+        if not self._host_current:
+            host_dev = device_of(self._host)
+            self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
+            self._host_current = True
+            self._current = self._host
+        return self._host
+
+    def read(self, device: jax.Device | None) -> Array:
+        """The current value placed on ``device`` (None: :meth:`read_current`, wherever it lives).
+
+        The mirror is reused when it is on ``device``; otherwise the current value
+        is uploaded once and cached as the new mirror.
+        """
+        if device is None:
+            return self._current  # read_current()
+        m = self._mirror
+        if m is None and self._host_current and device_of(self._host) == device:
+            return self._host  # the common case: the value lives on the device asked for
+        if not self._host_current and device_of(m) in (None, device):
+            return m
+        h = self._host
+        if self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
+            return h if self._host_current else self.read_host()
+        if m is not None and device_of(m) == device:
+            return m
+        if self._host_current and device_of(h) == device:
+            return h
+        m = jax.device_put(self.read_host(), device)
+        self._mirror = m
+        return m
+
+    def write(self, value: ArrayLike, *, on_device: bool = False) -> None:
+        """Replace the value, checking its shape and dtype.
+
+        ``on_device=True`` keeps a value that lives on another device than the
+        host cell as the mirror and marks the host stale; otherwise the value
+        becomes the host cell. The cell update itself is :meth:`write_current_many`.
+        """
+        v = _as_array(value)
+        if tuple(v.shape) != self.shape or np.dtype(v.dtype) != self.dtype:
+            raise ValueError(
+                f"cannot write a {R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))} value into a parameter "
+                f"storage of {R.fmt_spec((self.shape, self.dtype))}; a parameter keeps its shape and dtype "
+                "(create a new Param to change them)"
+            )
+        # choose the cell, then replace it
+        self._host_current = not (on_device and device_of(v) != device_of(self._host))
+        self.write_current(v)
+
+    def __repr__(self) -> str:
+        return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+
+
+class Param(TensorOps):
+    """A trainable (or frozen) parameter: a named record pointing at a :class:`Storage`.
+
+    Every use of a ``Param`` in a session op records a new leaf holding the value
+    observed at that moment; assigning ``p.value`` later never changes what
+    was recorded.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones((2, 2)), name="w")
+    >>> w.shape, w.name, w.trainable
+    ((2, 2), 'w', True)
+    """
+
+    __slots__ = ("__weakref__", "_bound", "name", "storage", "trainable")
+
+    def __init__(self, value: ArrayLike, name: str | None = None, trainable: bool = True) -> None:
+        trainable = _check_trainable(trainable, "Param")
+        self.storage = Storage(value)
+        self.name = name
+        self.trainable = trainable
+        self._bound: Array | None = None
+
+    @classmethod
+    def _from_storage(cls, storage: Storage, name: str | None, trainable: bool, bound: Array | None = None) -> Param:
+        p = object.__new__(cls)
+        p.storage = storage
+        p.name = name
+        p.trainable = trainable
+        p._bound = bound
+        return p
+
+    def register_hook(self, fn: Callable[[Array], Array | None]) -> RemovableHandle:
+        """Call ``fn(gradient)`` once per backward with this storage's summed gradient.
+
+        Every tied registration shares the hook (it belongs to the storage), and
+        it sees the sum over all uses, as PyTorch calls a tensor hook once with
+        the accumulated gradient. A returned array of the same shape and dtype
+        replaces the gradient for ``grads[p]`` and every optimizer; None keeps it.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> w = tfl.Param(jnp.array(2.0))
+        >>> hook = w.register_hook(lambda g: g * 10.0)
+        >>> with tfl.Session() as s:
+        ...     float(s.backward(w * 3.0 + tfl.tie(w) * 4.0)[w])
+        70.0
+        >>> hook.remove()
+        """
+        if not callable(fn):
+            raise TypeError(f"register_hook expects a function of the gradient, got {type(fn).__name__}")
+        return RemovableHandle(self.storage.hooks, fn)
+
+    @property
+    def bound(self) -> bool:
+        """True for a read-only view made by JAX's pytree machinery (see :meth:`value`)."""
+        return self._bound is not None
+
+    @property
+    def value(self) -> Array:
+        """The current value (a ``jax.Array``), synchronized from a newer device mirror.
+
+        ``Param`` is a JAX pytree whose one leaf is this value and whose static
+        part is the storage identity; a ``Param`` rebuilt by JAX (for example the
+        argument seen inside ``jax.jit``) is a read-only view bound to the leaf it
+        was rebuilt with, and ``value`` returns that leaf.
+        """
+        if self._bound is not None:
+            return self._bound
+        return self.storage.read_host()
+
+    @value.setter
+    def value(self, new: ArrayLike) -> None:
+        if self._bound is not None:
+            raise TypeError(
+                f"{self!r} is a read-only view rebuilt by a JAX transformation; assign to the original Param "
+                "(or let tfl.train_step / Optimizer.step write the storage)"
+            )
+        commit([(self.storage, new)], where="Param.value", label=lambda _: repr(self))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.storage.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.storage.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.storage.shape)
+
+    def __array__(self, dtype: DTypeLike = None, copy: bool | None = None) -> np.ndarray:
+        return np.asarray(self.value, dtype=dtype)
+
+    def __repr__(self) -> str:
+        frozen = "" if self.trainable else ", frozen"
+        return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_param(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+
+
+def _param_flatten(p: Param) -> tuple[tuple[Array], tuple[Storage, str | None, bool]]:
+    value = p._bound if p._bound is not None else p.storage.read_current()  # no host sync
+    return (value,), (p.storage, p.name, p.trainable)
+
+
+def _param_unflatten(aux: tuple[Storage, str | None, bool], children: tuple[Array, ...]) -> Param:
+    storage, name, trainable = aux
+    return Param._from_storage(storage, name, trainable, bound=children[0])
+
+
+jax.tree_util.register_pytree_node(Param, _param_flatten, _param_unflatten)
+
+
+def tie(p: Param, name: str | None = None, trainable: bool | None = None) -> Param:
+    """A new parameter record that shares ``p``'s storage (weight tying).
+
+    >>> import jax.numpy as jnp
+    >>> w = Param(jnp.ones(3), name="emb")
+    >>> tie(w, name="out").storage is w.storage
+    True
+    """
+    if not isinstance(p, Param):
+        raise TypeError(f"tie expects a Param, got {type(p).__name__}")
+    return Param._from_storage(
+        p.storage,
+        p.name if name is None else name,
+        p.trainable if trainable is None else _check_trainable(trainable, "tie"),
+    )
+
+
+def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | None]:
+    """For each slot, the index of the first slot holding the same storage (None stays None).
+
+    Identity decides: two slots agree only when they hold the very same
+    :class:`Storage` object (a :class:`Param` stands for its storage). Runs in
+    expected O(n) time through a hash table keyed by object identity; the list
+    keeps every storage alive during the call, so identities cannot be reused,
+    and nothing is cached between calls.
+
+    >>> import jax.numpy as jnp
+    >>> p, q = Param(jnp.ones(2)), Param(jnp.ones(2))
+    >>> canonical_indices([p, q, p, None])
+    [0, 1, 0, None]
+    """
+    first: dict[int, int] = {}
+    out: list[int | None] = []
+    setdefault = first.setdefault
+    append = out.append
+    for i, s in enumerate(storages):
+        if s is None:
+            append(None)
+            continue
+        if type(s) is not Storage:
+            if isinstance(s, Param):
+                s = s.storage
+            elif not isinstance(s, Storage):
+                raise TypeError(
+                    f"canonical_indices: slot {i} holds {type(s).__name__}, expected a Storage, Param or None"
+                )
+        append(setdefault(id(s), i))
+    return out
+
+
+def check_fits_without_x64(x: object, where: str) -> None:
+    """Host integers that JAX would silently wrap to 32 bits when ``jax_enable_x64`` is off are an error."""
+    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on
+        return
+    a = x if isinstance(x, (np.ndarray, np.generic)) else None
+    if a is None or a.dtype.kind not in "iu" or a.dtype.itemsize <= 4 or a.size == 0:
+        return
+    info = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
+    if a.min() < info.min or a.max() > info.max:
+        raise TapeError(
+            f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
+            f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
+            'turn them on with jax.config.update("jax_enable_x64", True)'
+        )
+
+
+class RationalFallbackWarning(UserWarning):
+    """Values without a native JAX dtype (exact rationals) are computed on the CPU with NumPy."""
+
+
+class ValuePolicy:
+    """How a value enters a session's tape: kind checks, host conversion, placement, constant operands.
+
+    Mixed into :class:`~tapeflow.Session` (which sets the attributes below), so
+    an input, a Param's value and a Python-number operand all pass one set of
+    rules: no complex values, rationals as Fractions (with one warning per
+    session), host data converted with JAX's dtypes and placed on the session's
+    device, and a number given the dtype of the op's other operands.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> s = tfl.Session()
+    >>> (s.input(jnp.ones(2, jnp.bfloat16)) * 2).dtype
+    dtype(bfloat16)
+    """
+
+    device: jax.Device
+    _default_device: bool
+    _rational_warned: bool
+    _owner: int
+    _constants: dict[tuple[Any, ...], Array]
+
+    def _prepare_value(self, x: ArrayLike, where: str = "Session.input", host: bool = False) -> Array:
+        """Session policy for a value entering the tape; ``leaf`` does the placement itself.
+
+        ``host=True`` (a lazy session's input on the default device) keeps a NumPy
+        array on the host, as a copy in JAX's dtype: the programs that use it take it
+        as an argument, which moves it faster than converting it here.
+        """
+        check_value_kind(x, where)
+        if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
+            self._warn_rational()
+            return x
+        if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
+            check_fits_without_x64(x, where)
+            if host and self._default_device and type(x) is np.ndarray:
+                return np.array(
+                    x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)
+                )  # a copy: later edits of x do not count
+            # Uncommitted on the default device, like parameter values created with jnp:
+            # kernels then see one placement for every operand and compile once.
+            return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
+        return x  # a jax.Array (or tracer): leaf() moves it if needed, keeping sharded arrays as they are
+
+    def _warn_rational(self) -> None:
+        if not self._rational_warned:
+            self._rational_warned = True
+            warnings.warn(
+                f"exact rational values have no native JAX dtype; session {self._owner} computes them on the CPU "
+                f"with NumPy (requested device: {self.device})",
+                RationalFallbackWarning,
+                stacklevel=4,
+            )
+
+    def _constant(self, o: object, ref_dtype: np.dtype | None, opname: str) -> Array:
+        if isinstance(o, complex):
+            raise TapeError(f"{opname}: {COMPLEX_HINT}")
+        if isinstance(o, (bool, int, float)):
+            if ref_dtype is not None and ref_dtype == R.OBJECT:
+                return np.asarray(Fraction(o), dtype=object)
+            dt: np.dtype
+            if isinstance(o, bool):
+                dt = np.dtype(bool)
+            elif ref_dtype is not None and (isinstance(o, int) or R.is_float(ref_dtype)):
+                dt = ref_dtype
+            else:
+                dt = np.dtype(np.float32) if isinstance(o, float) else np.dtype(np.int32)
+            key = (type(o), o, math.copysign(1.0, o), dt)
+            c = self._constants.get(key)
+            if c is None:
+                try:
+                    c = np.asarray(o, dtype=dt)
+                except OverflowError:
+                    raise TapeError(
+                        f"{opname}: the constant {o} does not fit the operand dtype {dt}; cast explicitly "
+                        '(e.g. x.astype("int64")) or turn on 64-bit values: jax.config.update("jax_enable_x64", True)'
+                    ) from None
+                # uncommitted on the default device, so it also mixes with sharded tracers under jit
+                c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
+                if len(self._constants) < 1024:
+                    self._constants[key] = c
+            return c
+        if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
+            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
+        raise TapeError(
+            f"{opname}: operand of type {type(o).__name__} is not supported; "
+            "use a Tensor, a Param, a number or an array"
+        )

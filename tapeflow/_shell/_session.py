@@ -1,0 +1,599 @@
+"""The Session shell: the only mutable layer of tapeflow.
+
+A :class:`Session` holds one :class:`~tapeflow.Tape` value and replaces it as
+ops are recorded. It also owns the generation counter that makes old
+:class:`~tapeflow.Tensor` handles stale after :meth:`Session.reset`, a
+process-unique owner id, a seeded RNG counter, the parameter leaves of the
+current recording, the backend audit, and the device. Handles and operators
+live in ``_tensor.py``, gradients and the tied-weight sum in ``_grads.py``.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> w = tfl.Param(jnp.ones((3, 2)), name="w")
+>>> with tfl.Session(seed=0) as s:
+...     x = s.input(jnp.ones((4, 3)))
+...     loss = tfl.mean(tfl.relu(x @ w) ** 2)
+...     grads = s.backward(loss)
+...     grads[w].shape
+(3, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import _registry as R
+from .._core import _treescope
+from .._core._backward import Hook, backward_graph, root_and_seed, run_hooks
+from .._core._backward import backward as _tape_backward
+from .._core._device import default_device, resolve_device
+from .._core._precision import Precision, cast_operands
+from .._core._result import Err, TapeError
+from .._core._tape import PENDING, Node, Tape, append_node, append_op, check_op, fill_pending, leaf
+from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
+from ._gradctl import GradControls
+from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
+from ._lazy import LazyGrads, LazyRecording, materialize
+from ._params import COMPLEX_HINT, Param, RationalFallbackWarning, Storage, ValuePolicy
+from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
+from ._state import StateLog, StateWrites
+from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
+
+__all__ = ["RationalFallbackWarning", "Session"]
+
+_BOOL = np.dtype(bool)
+_owner_counter = itertools.count(1)
+_owner_lock = threading.Lock()
+
+
+def _read_host_inputs(tape: Tape, ids: Sequence[NodeId]) -> None:
+    """A lazy session keeps NumPy inputs on the host for its programs; read, each becomes a jax.Array like every value.
+
+    ``ids`` are nodes holding NumPy arrays; exact rationals (object arrays) stay as they are.
+    """
+    nodes = tape.nodes
+    ids = [i for i in ids if nodes[i].dtype != R.OBJECT]
+    fill_pending(tape, ids, [jnp.asarray(nodes[i].value) for i in ids])
+
+
+def _next_owner() -> int:
+    with _owner_lock:
+        return next(_owner_counter)
+
+
+class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
+    """An eager recording context: one tape, handles, parameters, RNG and a device.
+
+    Parameters
+    ----------
+    device:
+        ``"cpu"``, ``"gpu"``/``"cuda"``, ``"gpu:N"``, a ``jax.Device``, or None for
+        JAX's default device (the GPU when JAX has one, else the CPU). An absent
+        device is an error here, never a silent fallback.
+    seed:
+        Seed of the session's random tensors; draw ``k`` uses ``fold_in(key(seed), k)``.
+    grad_enabled:
+        False makes an inference session: values are computed, nothing requires
+        grad, no VJP is compiled, and :meth:`backward` raises.
+    show_backend:
+        Print the kernel/platform that runs each op the first time it is used.
+    param_values:
+        Values to record for these storages instead of their current values (the
+        functional bridge passes the traced parameter values this way).
+    rng_key:
+        A ``jax.random`` key to derive random tensors from instead of ``seed``.
+    check_same_thread:
+        True (default): the session and its handles may be used only from the
+        thread that created it; another thread gets a :class:`TapeError` (as
+        :mod:`sqlite3` does). False lifts the check: you then serialize every use
+        yourself.
+    compute_dtype:
+        Mixed precision (e.g. ``jnp.bfloat16``): parameters keep their dtype and
+        each op's float operands are cast (recorded ``astype`` nodes) to this
+        dtype, losses and reductions to float32; see :mod:`tapeflow._core._precision`.
+    lazy:
+        True records ops without running them: values are computed when read,
+        and a backward plus an optimizer step run as one compiled program per
+        step, cached by the recording's structure (:mod:`tapeflow._shell._lazy`).
+        Errors are still raised at record time. Exact-rational ops run eagerly.
+        None (default): False.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> s = tfl.Session(seed=0)
+    >>> x = s.input(jnp.ones(3), requires_grad=True)
+    >>> g = s.backward((x * x).sum())
+    >>> g[x].tolist()
+    [2.0, 2.0, 2.0]
+    >>> s.reset(); s.generation, len(s.tape)
+    (1, 0)
+    """
+
+    def __init__(
+        self,
+        device: DeviceLike = None,
+        seed: int = 0,
+        grad_enabled: bool = True,
+        show_backend: bool = False,
+        *,
+        param_values: Mapping[Storage, Array] | None = None,
+        rng_key: PRNGKey | None = None,
+        check_same_thread: bool = True,
+        compute_dtype: DTypeLike | None = None,
+        lazy: bool = False,
+    ) -> None:
+        self._thread: int | None = threading.get_ident() if check_same_thread else None
+        self.device: jax.Device = resolve_device(device) if device is not None else default_device()
+        self._seed = rng_int("seed", seed, RNG_SEED_RANGE, "Session")
+        self.grad_enabled = bool(grad_enabled)
+        self.show_backend = bool(show_backend)
+        self._owner = _next_owner()
+        self._ref = weakref.ref(self)
+        self._generation = 0
+        self._rng_counter = 0
+        self._no_grad = 0
+        self._hooks: dict[NodeId, list[Hook]] = {}
+        self._tape = Tape.empty(self.device)
+        self._params_by_leaf: dict[NodeId, ParameterRecord] = {}
+        self._storage_by_leaf: dict[NodeId, Storage] = {}
+        self.selected_backends: list[tuple[str, str]] = []
+        self._backend_seen: set[str] = set()
+        self._rational_warned = False
+        self._tokens: list[contextvars.Token[Session | None]] = []
+        self._param_values: dict[Storage, Array] | None = None if param_values is None else dict(param_values)
+        self._unlisted: list[Storage] = []
+        self._base_key: PRNGKey | None = rng_key
+        self._default_device = self.device == default_device()
+        self._constants: dict[tuple[Any, ...], Array] = {}
+        self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
+        self._state_log = StateLog()  # assign_state's writes in this recording
+        self._lazy = LazyRecording() if lazy else None  # a lazy recording
+        # a use of a Param records its storage's value as it is (no overrides, no subclass reading it differently)
+        self._direct_params = param_values is None and type(self)._param_value is Session._param_value
+
+    # -- thread ownership ------------------------------------------------------
+    def check_thread(self) -> None:
+        """Raise :class:`TapeError` if the calling thread may not use this session.
+
+        A session belongs to the thread that created it (unless it was created with
+        ``check_same_thread=False``). Every recording, read of a handle, backward,
+        draw and reset checks it first, so a call from another thread changes nothing.
+        """
+        t = self._thread
+        if t is not None and t != threading.get_ident():
+            raise TapeError(
+                f"Session owner {self._owner} was created in thread {t} and cannot be used from thread "
+                f"{threading.get_ident()} (nor can its tensor handles). Open one session per thread, or create it "
+                "with Session(check_same_thread=False) and serialize every use yourself"
+            )
+
+    # -- read-only state -------------------------------------------------------
+    @property
+    def owner(self) -> int:
+        """Process-unique id of this session (kept across resets)."""
+        return self._owner
+
+    @property
+    def generation(self) -> int:
+        """Number of resets so far; handles from older generations are stale."""
+        return self._generation
+
+    @property
+    def unlisted_storages(self) -> tuple[Storage, ...]:
+        """Storages a recording read at their current value because ``param_values`` did not list them.
+
+        The compiled training step passes these as runtime arguments from its next
+        call on, so a frozen table or another optimizer's parameter is never baked
+        into a program as a constant.
+        """
+        return tuple(self._unlisted)
+
+    @property
+    def lazy(self) -> bool:
+        """Whether this session records lazily (``Session(lazy=True)``)."""
+        return self._lazy is not None
+
+    @property
+    def tape(self) -> Tape:
+        """The current tape value (immutable; a new one after every op; a lazy session computes its values first)."""
+        self.materialize()
+        return self._tape
+
+    @property
+    def recording(self) -> Tape:
+        """The current tape value as recorded: a lazy session's uncomputed nodes hold ``PENDING`` (nothing is computed).
+
+        For what a node *is* (op, shape, dtype, ``requires_grad``) without paying
+        for its value; :attr:`tape` computes the values first.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session(lazy=True)
+        >>> y = s.input(jnp.ones(2)) * 2.0
+        >>> s.recording[y.id].op, s.recording[y.id].shape
+        ('mul', (2,))
+        """
+        return self._tape
+
+    def materialize(self) -> None:
+        """Compute every value a lazy session has recorded but not computed (one compiled program); else nothing.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session(lazy=True)
+        >>> y = s.input(jnp.ones(2)) * 2.0
+        >>> z = y + 1.0
+        >>> s.materialize()  # one program computes y and z; reading them is then free
+        >>> y.value.tolist(), z.value.tolist()
+        ([2.0, 2.0], [3.0, 3.0])
+        """
+        if self._lazy is not None:
+            self.check_thread()
+            t = self._tape
+            materialize(self._lazy, t)
+            _read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
+
+    def __repr__(self) -> str:
+        kind = "" if self.grad_enabled else ", inference"
+        return (
+            f"Session(owner={self._owner}, generation={self._generation}, nodes={len(self._tape)}, "
+            f"device={self.device}, rng_counter={self._rng_counter}{kind})"
+        )
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_session(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+
+    # -- context ---------------------------------------------------------------
+    def __enter__(self) -> Session:
+        self.check_thread()
+        self._tokens.append(push_current(self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.reset()
+        finally:
+            pop_current(self._tokens.pop())
+
+    @contextlib.contextmanager
+    def as_current(self) -> Iterator[Session]:
+        """Make this the current session for a block, without resetting it afterwards.
+
+        >>> import tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> with s.as_current():
+        ...     tfl.current_session() is s
+        True
+        """
+        token = push_current(self)
+        try:
+            yield self
+        finally:
+            pop_current(token)
+
+    # -- handles ---------------------------------------------------------------
+    def _handle(self, node_id: NodeId) -> Tensor:
+        nd = self._tape[node_id]
+        return Tensor(self, self._owner, self._generation, node_id, nd.shape, nd.dtype)
+
+    def handle(self, node_id: NodeId) -> Tensor:
+        """A handle of node ``node_id`` of the current recording (e.g. a parent of a node you hold).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> y = s.input(jnp.ones(2)) * 3.0
+        >>> [s.handle(i).op for i in y.node.parents]
+        [None, None]
+        """
+        self.check_thread()
+        if type(node_id) is not int or not 0 <= node_id < len(self._tape):
+            raise TapeError(f"Session.handle: no node {node_id!r} in this recording of {len(self._tape)} node(s)")
+        return self._handle(node_id)
+
+    def check(self, h: Tensor) -> None:
+        """Raise if ``h`` is not a live handle of this session."""
+        check_handle(h, self)
+
+    def node(self, h: Tensor) -> Node:
+        """The recorded node behind the live handle ``h`` (raises for a stale or foreign one), with its value."""
+        check_handle(h, self)
+        nd = self._tape[h.id]
+        v = nd.value
+        if v is PENDING:
+            materialize(self._lazy, self._tape)  # type: ignore[arg-type]  # only a lazy session has pending nodes
+        elif type(v) is np.ndarray:
+            _read_host_inputs(self._tape, (h.id,))
+        return nd
+
+    # -- leaves ----------------------------------------------------------------
+    def _commit(self, t: Tape) -> None:
+        """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
+        self.check_thread()
+        lz = self._lazy
+        if lz is not None:
+            n = len(t)
+            if n < len(lz.keys):
+                lz.truncate(n)  # a failed backward put an older tape back
+            elif n and t[n - 1].dtype is R.OBJECT:
+                lz.exact = True  # exact rationals: backward runs eagerly
+        self._tape = t
+        note_recorded(self._ref)
+
+    def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
+        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled and not self._no_grad)
+        self._commit(t)
+        return self._handle(i)
+
+    def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
+        """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
+        if isinstance(x, Tensor):
+            x = self.node(x).value
+        v = self._prepare_value(x, host=self._lazy is not None)
+        if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
+            dt = np.dtype(v.dtype)
+            rg = requires_grad and self.grad_enabled and not self._no_grad and R.is_float(dt)
+            t, i = append_node(self._tape, Node(None, (), (), v, rg, v.shape, dt))
+            self._commit(t)
+            return self._handle(i)
+        return self._commit_leaf(v, requires_grad)
+
+    def const(self, x: ArrayLike) -> Tensor:
+        """Record a constant leaf (never requires grad)."""
+        return self.input(x, requires_grad=False)
+
+    def detach(self, h: Tensor) -> Tensor:
+        """A new leaf holding ``h``'s value, cut off from the recording's gradients."""
+        return self._commit_leaf(self.node(h).value, False)
+
+    def _param_value(self, p: Param) -> Array:
+        if p.bound:  # a view rebuilt by a JAX transformation carries its own value
+            return p.value
+        st = p.storage
+        if self._param_values is not None:
+            v = self._param_values.get(st)
+            if v is not None:
+                return v
+            if st not in self._unlisted:
+                self._unlisted.append(st)
+        if st.dtype == R.OBJECT:
+            self._warn_rational()
+        return st.read(self.device)
+
+    def use(self, p: Param) -> Tensor:
+        """Record one use of ``p``: a new leaf holding its current value."""
+        if not isinstance(p, Param):
+            raise TypeError(f"Session.use expects a Param, got {type(p).__name__}")
+        h = self._commit_leaf(self._param_value(p), p.trainable)
+        self._register_param_leaf(h.id, p, p.storage)
+        return h
+
+    def _register_param_leaf(self, leaf_id: NodeId, p: ParameterRecord, storage: Storage | None) -> None:
+        self._params_by_leaf[leaf_id] = p
+        if storage is not None:
+            self._storage_by_leaf[leaf_id] = storage
+
+    def register_parameter_leaf(self, h: Tensor, parameter: ParameterRecord, storage: Storage | None = None) -> None:
+        """Mark an existing leaf as a parameter registration (advanced).
+
+        ``storage`` is its identity descriptor; without one the registration is
+        grouped alone. A descriptor whose shape or dtype disagrees with the leaf
+        is rejected and nothing changes.
+        """
+        nd = self.node(h)
+        if nd.op is not None:
+            raise TapeError(
+                f"node #{h.id} is the output of {nd.op!r}, not a leaf; only leaves can be parameter registrations"
+            )
+        if storage is not None and (storage.shape != nd.shape or storage.dtype != nd.dtype):
+            raise TapeError(
+                f"storage {storage!r} does not match leaf #{h.id} of {R.fmt_spec(nd.spec)}; "
+                "a parameter registration's storage must have the leaf's shape and dtype"
+            )
+        self._register_param_leaf(h.id, parameter, storage)
+
+    # -- ops -------------------------------------------------------------------
+    def apply(self, opname: str, *operands: Operand, **attrs: Any) -> Tensor:
+        """Record registered op ``opname`` on this session; on any failure nothing changes.
+
+        Handles are checked left to right (a foreign handle is reported before a
+        stale one), then the op is checked once against the operands' shapes and
+        dtypes (:func:`tapeflow._core._tape.check_op`, the same check as ``record``),
+        and only then are Param and constant operands recorded as leaves.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> s.apply("mul", s.input(jnp.arange(3.0)), 2.0).value.tolist()
+        [0.0, 2.0, 4.0]
+        """
+        self.check_thread()
+        owner, gen = self._owner, self._generation
+        for o in operands:
+            if type(o) is Tensor and (o._owner != owner or o._generation != gen):
+                check_handle(o, self)  # raises: foreign before stale, left to right
+        t0 = self._tape
+        plan: list[NodeId | Param | Array] = []
+        specs: list[R.Spec] = []
+        ref_dtype: np.dtype | None = None  # dtype given to Python-number operands (set on first need)
+        for o in operands:
+            if type(o) is Tensor:
+                plan.append(o.id)
+                specs.append(t0[o.id].spec)
+            elif isinstance(o, Param):
+                plan.append(o)
+                specs.append((o.shape, o.dtype))
+            else:
+                if ref_dtype is None:
+                    for x in operands:
+                        if isinstance(x, (Tensor, Param)) and x.dtype != _BOOL:
+                            ref_dtype = x.dtype
+                            break
+                v = self._constant(o, ref_dtype, opname)
+                plan.append(v)
+                specs.append((tuple(v.shape), np.dtype(v.dtype)))
+        casts = self.precision.targets(opname, specs) if self.precision is not None else None
+        if casts is not None:  # the op is checked with the dtypes it will compute in
+            specs = [(sh, dt if c is None else c) for (sh, dt), c in zip(specs, casts)]
+        entry = check_op(opname, attrs, tuple(specs))
+        if isinstance(entry, str):
+            raise TapeError(entry)
+        lazy = self._lazy is not None
+        if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
+            lazy = False
+            self.materialize()
+        # leaves and the op on a local tape value; commit only on success
+        t = self._tape
+        ids: list[NodeId] = []
+        new_params: list[tuple[NodeId, Param]] = []
+        tracked = self.grad_enabled and not self._no_grad
+        for p in plan:
+            if type(p) is int:
+                ids.append(p)
+            elif isinstance(p, Param):
+                st = p.storage
+                if self._direct_params and not p.bound and st.dtype is not R.OBJECT:
+                    # the storage's value on this device: placed already, so the leaf is made directly
+                    rg = p.trainable and tracked and R.is_float(st.dtype)
+                    t, i = append_node(t, Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype))
+                else:
+                    t, i = leaf(t, self._param_value(p), requires_grad=p.trainable and tracked)
+                new_params.append((i, p))
+                ids.append(i)
+            else:
+                t, i = leaf(t, p, requires_grad=False)
+                ids.append(i)
+        if casts is not None:
+            t, ids = cast_operands(t, ids, casts, not self._no_grad, lazy)
+        t, r = append_op(t, opname, entry, tuple(ids), None, not self._no_grad, lazy)
+        if isinstance(r, Err):
+            raise TapeError(r.error)
+        self._commit(t)
+        for i, p in new_params:
+            self._register_param_leaf(i, p, p.storage)
+        if opname not in self._backend_seen:
+            self._audit(opname, entry.dtype)
+        nd = t[r.value]
+        return Tensor(self, owner, gen, r.value, nd.shape, nd.dtype)
+
+    def _audit(self, opname: str, dtype: np.dtype) -> None:
+        self._backend_seen.add(opname)
+        kernel = "numpy-exact (cpu)" if dtype == R.OBJECT else f"xla:{self.device.platform}"
+        self.selected_backends.append((opname, kernel))
+        if self.show_backend:
+            print(f"[tapeflow] {opname}: {kernel}", file=sys.stderr)
+
+    # -- backward --------------------------------------------------------------
+    def parameter_groups(self) -> list[ParameterGroup]:
+        """Trainable parameter leaves of this recording grouped by storage identity."""
+        self.check_thread()
+        nodes = self._tape.nodes
+        trainable = {i: p for i, p in self._params_by_leaf.items() if nodes[i].requires_grad}
+        return group_parameter_leaves(trainable, self._storage_by_leaf)
+
+    def backward(
+        self,
+        loss: Tensor,
+        seed: Array | None = None,
+        *,
+        wrt: Sequence[Tensor] = (),
+        create_graph: bool = False,
+    ) -> Grads:
+        """Gradients of ``loss`` wrt every leaf that requires grad (and each handle in ``wrt``), as a :class:`~tapeflow.Grads`.
+
+        * ``wrt``: further handles of this recording, interior nodes included,
+          whose cotangents ``grads[h]`` also returns (zeros when ``loss`` does
+          not reach them), like PyTorch's ``retain_grad``.
+        * ``create_graph=True``: the backward pass is recorded on this tape, so
+          every gradient is a Tensor that can be used in further ops and
+          differentiated again (``grads[W]`` of a tied Param is one recorded sum).
+        * Hooks (:meth:`Tensor.register_hook`, :meth:`Param.register_hook`) run
+          here; if one raises, the tape is as before and no gradients are returned.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     x = s.input(jnp.array(3.0), requires_grad=True)
+        ...     h = x * x
+        ...     g = s.backward(h * x, wrt=[h], create_graph=True)
+        ...     float(g[h]), float(g[x]), float(s.backward(g[x])[x])    # x, 3x^2, 6x
+        (3.0, 27.0, 18.0)
+        """
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
+        check_handle(loss, self)
+        if not self.grad_enabled:
+            raise TapeError(
+                "backward: this is an inference session (grad_enabled=False); it records no gradients. "
+                "Open a Session(grad_enabled=True) to train"
+            )
+        if seed is not None and jnp.iscomplexobj(seed):
+            raise TapeError(f"backward: {COMPLEX_HINT}")
+        for h in wrt:
+            if not isinstance(h, Tensor):
+                raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
+            check_handle(h, self)
+        # every trainable leaf gets a gradient (zeros when the loss does not reach it)
+        old = self._tape
+        nodes = old.nodes
+        ids = [i for i, nd in enumerate(nodes[: loss.id + 1]) if nd.op is None and nd.requires_grad]
+        ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
+        ids += [h.id for h in wrt]
+        hooks: dict[NodeId, list[Any]] = {
+            i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._hooks.items() if fns
+        }
+        lazy = self._lazy is not None and not (create_graph or hooks or self._lazy.exact)
+        if not lazy:
+            self.materialize()  # the sweep below reads every value
+        by_leaf: dict[NodeId, Any] | LazyGrads
+        try:
+            if lazy:  # computed on first read, or fused into the optimizer step that consumes them
+                checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
+                by_leaf = LazyGrads(self._lazy, old, loss.id, None if seed is None else checked, ids)  # type: ignore[arg-type]
+                by_leaf.check()
+            elif create_graph:
+                lz, self._lazy = self._lazy, None  # recorded eagerly: the sweep and the hooks read values
+                try:
+                    t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
+                finally:
+                    self._lazy = lz
+                self._commit(t)
+                by_leaf = {i: self._handle(j) for i, j in by_id.items()}
+            else:
+                by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
+            grads = Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
+            self._attach_state_log(grads)
+            for group in grads.groups:
+                if group.storage is not None and group.storage.hooks:
+                    g = grads.group_gradient(group)
+                    grads.set_group_gradient(group, run_hooks(group.storage.hooks, g, repr(group.parameter)))
+        except BaseException:
+            self._commit(old)  # hooks may have recorded on the tape: none of it happened
+            raise
+        return grads
+
+    # -- reset -----------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop the recording and invalidate its handles.
+
+        Keeps the owner id, the RNG counter, the backend audit and any optimizer
+        state. The session lets go of every value it recorded; JAX frees each
+        buffer as soon as nothing else refers to it, so a value the user still
+        holds (``h.value``, a ``Tape`` kept or forked, another session's leaf)
+        stays valid, and nothing else outlives the reset.
+        """
+        self.check_thread()
+        self._tape = Tape.empty(self.device)
+        self._params_by_leaf = {}
+        self._storage_by_leaf = {}
+        self._hooks = {}
+        self._state_log = StateLog()
+        if self._lazy is not None:
+            self._lazy = LazyRecording()  # pending values nobody read are dropped with the tape
+        self._generation += 1

@@ -1,0 +1,477 @@
+"""Tensor handles, the operator set, and which session an op records on.
+
+* :class:`TensorOps` is the operator set (``+ - * / @ **``, comparisons,
+  indexing, ``.T``, ``.sum()`` ...). Every operator records a registry op via
+  :func:`apply`. :class:`Tensor` and :class:`~tapeflow.Param` both inherit it,
+  so ``w * x`` works on a parameter exactly as on a handle.
+* :class:`Tensor` is a handle ``(session, owner, generation, node id)``; any use
+  checks it against its session's *current* generation (:func:`check_handle`).
+* Which session records an op: the session of the first Tensor operand; else
+  the innermost ``with Session()`` block (:func:`current_session`); else the
+  session that recorded last **in this thread or task**
+  (:func:`last_recorded_session`). Both are :mod:`contextvars` variables:
+  every new thread starts with neither, so one thread never records on another
+  thread's session by accident (an asyncio task starts from a copy of the
+  context that created it).
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> with tfl.Session() as s:
+...     x = s.input(jnp.arange(3.0))
+...     y = (x * 2 + 1).sum()
+...     float(y), tfl.current_session() is s
+(9.0, True)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import jax
+import numpy as np
+from numpy.typing import ArrayLike
+
+from .._core import _registry as R
+from .._core import _treescope
+from .._core._result import TapeError
+from .._core._typing import Array, DTypeLike, NodeId, Shape
+
+if TYPE_CHECKING:
+    from .._core._backward import Hook
+    from .._core._tape import Node
+    from ._session import Session
+
+__all__ = [
+    "RemovableHandle",
+    "Tensor",
+    "TensorOps",
+    "apply",
+    "check_handle",
+    "current_session",
+    "last_recorded_session",
+    "session_of",
+]
+
+Operand: TypeAlias = "TensorOps | float | int | ArrayLike"
+"""What an op accepts as an operand: a Tensor or a Param (the two kinds of :class:`TensorOps`), a number or an array
+(nested lists too)."""
+
+
+class RemovableHandle:
+    """What ``register_hook`` returns: :meth:`remove` takes the hook off again (removing twice is a no-op).
+
+    >>> hooks = []
+    >>> h = RemovableHandle(hooks, print)
+    >>> len(hooks), h.remove(), len(hooks)
+    (1, None, 0)
+    """
+
+    __slots__ = ("_fn", "_hooks")
+
+    def __init__(self, hooks: list[Hook], fn: Hook) -> None:
+        hooks.append(fn)
+        self._hooks: list[Hook] | None = hooks
+        self._fn = fn
+
+    def remove(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            for k, f in enumerate(hooks):
+                if f is self._fn:
+                    del hooks[k]
+                    break
+
+
+# --------------------------------------------------------------------------- which session records
+
+_CURRENT: contextvars.ContextVar[Session | None] = contextvars.ContextVar("tapeflow_current_session", default=None)
+_LAST_RECORDED: contextvars.ContextVar[weakref.ref[Session] | None] = contextvars.ContextVar(
+    "tapeflow_last_recorded_session", default=None
+)
+
+
+def current_session() -> Session | None:
+    """The session made current by the innermost ``with Session(...)`` block, or None.
+
+    >>> import tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.current_session() is s
+    True
+    >>> tfl.current_session() is None
+    True
+    """
+    return _CURRENT.get()
+
+
+def last_recorded_session() -> Session | None:
+    """The session that recorded the latest leaf or op in this thread (or asyncio task), if alive.
+
+    An op whose operands are all Params (``w.T``) records there when no
+    ``with Session()`` block is open, so notebook code outside a ``with`` block
+    keeps working; mixing the result with another session's handles is then
+    reported as a session mismatch. Each thread starts with no such session.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> s = tfl.Session()
+    >>> _ = s.input(jnp.ones(2))
+    >>> tfl.last_recorded_session() is s
+    True
+    """
+    ref = _LAST_RECORDED.get()
+    return None if ref is None else ref()
+
+
+def note_recorded(ref: weakref.ref[Session]) -> None:
+    """Remember ``ref``'s session as the last one that recorded in this context (cheap when unchanged)."""
+    if _LAST_RECORDED.get() is not ref:
+        _LAST_RECORDED.set(ref)
+
+
+def push_current(s: Session) -> contextvars.Token[Session | None]:
+    """Make ``s`` the current session; undo with :func:`pop_current`."""
+    return _CURRENT.set(s)
+
+
+def pop_current(token: contextvars.Token[Session | None]) -> None:
+    _CURRENT.reset(token)
+
+
+# --------------------------------------------------------------------------- the operator set
+
+
+def _varargs(args: tuple[int | Sequence[int], ...]) -> tuple[int | Sequence[int], ...]:
+    """``f(2, 3)`` and ``f((2, 3))`` both mean ``(2, 3)``."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return tuple(args[0])
+    return tuple(args)
+
+
+class TensorOps:
+    """The operators shared by :class:`Tensor` handles and :class:`~tapeflow.Param` s.
+
+    Each one records a registry op with :func:`apply`; a Param operand records a
+    fresh leaf holding its current value.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones((2, 2)))
+    >>> with tfl.Session() as s:
+    ...     (w.T @ w).sum().value.item()
+    8.0
+    """
+
+    __slots__ = ()
+    __array_priority__ = 1000
+
+    def __add__(self, o: Operand) -> Tensor:
+        return apply("add", self, o)
+
+    def __radd__(self, o: Operand) -> Tensor:
+        return apply("add", o, self)
+
+    def __sub__(self, o: Operand) -> Tensor:
+        return apply("sub", self, o)
+
+    def __rsub__(self, o: Operand) -> Tensor:
+        return apply("sub", o, self)
+
+    def __mul__(self, o: Operand) -> Tensor:
+        return apply("mul", self, o)
+
+    def __rmul__(self, o: Operand) -> Tensor:
+        return apply("mul", o, self)
+
+    def __truediv__(self, o: Operand) -> Tensor:
+        return apply("div", self, o)
+
+    def __rtruediv__(self, o: Operand) -> Tensor:
+        return apply("div", o, self)
+
+    def __matmul__(self, o: Operand) -> Tensor:
+        return apply("matmul", self, o)
+
+    def __rmatmul__(self, o: Operand) -> Tensor:
+        return apply("matmul", o, self)
+
+    def __pow__(self, o: Operand) -> Tensor:
+        return apply("pow", self, o)
+
+    def __rpow__(self, o: Operand) -> Tensor:
+        return apply("pow", o, self)
+
+    def __neg__(self) -> Tensor:
+        return apply("neg", self)
+
+    def __abs__(self) -> Tensor:
+        return apply("abs", self)
+
+    def __lt__(self, o: Operand) -> Tensor:
+        return apply("lt", self, o)
+
+    def __le__(self, o: Operand) -> Tensor:
+        return apply("le", self, o)
+
+    def __gt__(self, o: Operand) -> Tensor:
+        return apply("gt", self, o)
+
+    def __ge__(self, o: Operand) -> Tensor:
+        return apply("ge", self, o)
+
+    def __getitem__(self, idx: object) -> Tensor:
+        """Basic indexing records ``index``; an integer array or Tensor index records ``take`` along axis 0."""
+        if isinstance(idx, (Tensor, np.ndarray, jax.Array, list)):
+            return apply("take", self, idx, axis=0)
+        from .._ops._shape import normalize_index
+
+        return apply("index", self, index=normalize_index(idx))
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """Iterate over the first axis: ``x[0], x[1], ...``, each recorded as it is reached."""
+        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
+        if not shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(shape[0]))
+
+    @property
+    def T(self) -> Tensor:
+        return apply("transpose", self)
+
+    def sum(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
+        return apply("sum", self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
+        return apply("mean", self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
+        return apply("max", self, axis=axis, keepdims=keepdims)
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        return apply("reshape", self, shape=_varargs(shape))
+
+    def transpose(self, *axes: int | Sequence[int]) -> Tensor:
+        axes = _varargs(axes)
+        return apply("transpose", self, axes=axes if axes else None)
+
+    def astype(self, dtype: DTypeLike) -> Tensor:
+        return apply("astype", self, dtype=np.dtype(dtype))
+
+
+# --------------------------------------------------------------------------- handles
+
+
+class Tensor(TensorOps):
+    """A handle to one node of a session's current recording.
+
+    It carries (owner, generation, node id) plus the node's shape and dtype. Any
+    use checks that the handle belongs to its session's *current* generation.
+    Operators build new recorded ops (see :class:`TensorOps`); comparisons give
+    boolean tensors without gradient.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> s = tfl.Session()
+    >>> x = s.input(jnp.arange(6.0).reshape(2, 3))
+    >>> y = (x * 2).sum(axis=1)
+    >>> y.shape, float(y[0])
+    ((2,), 6.0)
+    """
+
+    __slots__ = ("__weakref__", "_generation", "_owner", "_session", "dtype", "id", "shape")
+    __hash__ = object.__hash__
+
+    def __init__(
+        self, session: Session | None, owner: int, generation: int, id: NodeId, shape: Shape, dtype: np.dtype
+    ) -> None:
+        self._session = session
+        self._owner = owner
+        self._generation = generation
+        self.id = id
+        self.shape = shape
+        self.dtype = dtype
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def owner(self) -> int:
+        """Owner id of the session that recorded this handle."""
+        return self._owner
+
+    @property
+    def generation(self) -> int:
+        """The session generation this handle was recorded in."""
+        return self._generation
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def node(self) -> Node:
+        """The recorded :class:`~tapeflow.Node` this handle points at (a lazy session computes its value first)."""
+        return check_handle(self, self._session).node(self)
+
+    @property
+    def value(self) -> Array:
+        """The forward value (a ``jax.Array``; a NumPy object array for exact rationals)."""
+        return self.node.value
+
+    def register_hook(self, fn: Hook) -> RemovableHandle:
+        """Call ``fn(cotangent)`` when a backward of this recording reaches this node.
+
+        ``fn`` sees the node's complete cotangent (every use summed) before it
+        flows to the node's inputs, and may return a replacement of the same
+        shape and dtype (None keeps it). Under ``create_graph=True`` it gets and
+        returns Tensors. Hooks end with the recording (``reset``).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     x = s.input(jnp.ones(2), requires_grad=True)
+        ...     h = x * 3.0
+        ...     hook = h.register_hook(lambda g: g * 0.5)
+        ...     s.backward(tfl.sum(h))[x].tolist()
+        [1.5, 1.5]
+        """
+        return check_handle(self, self._session).register_hook(self, fn)
+
+    @property
+    def op(self) -> str | None:
+        return check_handle(self, self._session).recording[self.id].op  # no value needed: a lazy node stays pending
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(check_handle(self, self._session).recording[self.id].requires_grad)
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def item(self) -> Any:
+        return self.numpy().item()
+
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
+        return np.asarray(self.value, dtype=dtype)
+
+    def _scalar(self, what: str) -> np.ndarray:
+        if self.shape not in ((), (1,)):
+            if what == "bool":
+                raise TypeError(
+                    f"the truth value of a tensor of shape {self.shape} is ambiguous; use .value.any() or .value.all()"
+                )
+            raise TypeError(f"{what}() needs a tensor with one element, got shape {self.shape}")
+        return np.asarray(self.value).reshape(())
+
+    def __float__(self) -> float:
+        return float(self._scalar("float"))
+
+    def __int__(self) -> int:
+        return int(float(self._scalar("int")))
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar("bool"))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        spec = R.fmt_spec((self.shape, self.dtype))
+        s = self._session
+        if s is None or s.owner != self._owner:
+            state = "no session" if s is None else "foreign"
+            return f"Tensor({spec}, id={self.id}, gen={self._generation}, {state})"
+        if s.generation != self._generation:
+            return f"Tensor({spec}, id={self.id}, gen={self._generation}, stale)"
+        nd = s.recording[self.id]  # no value shown: a lazy node stays pending
+        op = "leaf" if nd.op is None else nd.op
+        grad = ", requires_grad" if nd.requires_grad else ""
+        return f"Tensor({spec}, op={op}, id={self.id}, gen={self._generation}{grad})"
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return _treescope.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+
+    # -- operators only handles have --------------------------------------------
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __eq__(self, o: Operand) -> Tensor:  # type: ignore[override]
+        return apply("eq", self, o)
+
+    def __ne__(self, o: Operand) -> Tensor:  # type: ignore[override]
+        return apply("ne", self, o)
+
+    def detach(self) -> Tensor:
+        """A new leaf holding this value, cut off from the recording's gradients."""
+        return check_handle(self, self._session).detach(self)
+
+
+def check_handle(h: Tensor, s: Session | None) -> Session:
+    """Raise :class:`TapeError` unless ``h`` belongs to ``s`` (default: its own session) and its current generation.
+
+    A session mismatch is reported before a use from a thread that may not use
+    the session (:meth:`Session.check_thread`), and that before a stale generation.
+    """
+    hs = h._session
+    if hs is None:
+        raise TapeError(
+            "tensor handle has no owning session (it was not produced by a Session op); "
+            "create tensors with session.input(...) or session ops"
+        )
+    if s is None:
+        s = hs
+    if h._owner != s.owner:
+        raise TapeError(
+            f"tensor handle belongs to a different session (owner {h._owner}, this session is owner {s.owner}); "
+            "handles cannot be mixed across sessions: pass the value with session.input(handle.value)"
+        )
+    s.check_thread()
+    if h._generation != s.generation:
+        raise TapeError(
+            f"stale tensor handle from generation {h._generation}; current generation is {s.generation} "
+            "(Session.reset() invalidates handles recorded before it)"
+        )
+    return s
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def session_of(operands: tuple[Operand, ...] | list[Operand], opname: str) -> Session:
+    """The session an op on ``operands`` records on (see the module docstring for the order)."""
+    for o in operands:
+        if isinstance(o, Tensor):
+            s = o._session
+            if s is None:
+                check_handle(o, None)  # raises the ownerless-handle error
+            assert s is not None
+            return s
+    s = _CURRENT.get() or last_recorded_session()
+    if s is None:
+        raise TapeError(
+            f"{opname}: no session to record on: none of the operands is a Tensor, no session is current, "
+            "and no session has recorded anything yet in this thread. Use `with tfl.Session() as s:` or pass "
+            "a tensor from s.input(...)"
+        )
+    return s
+
+
+def apply(opname: str, *operands: Operand, **attrs: object) -> Tensor:
+    """Record registered op ``opname`` on the operands' session and return the new handle.
+
+    Operands may be :class:`Tensor` handles, :class:`~tapeflow.Param` s (each
+    recorded as a fresh leaf), numbers or arrays (constant leaves). The session
+    is that of the first Tensor operand, else the current session.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     y = tfl.apply("add", s.input(jnp.ones(2)), 1.0)
+    ...     y.value.tolist()
+    [2.0, 2.0]
+    """
+    return session_of(operands, opname).apply(opname, *operands, **attrs)

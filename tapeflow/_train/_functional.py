@@ -1,0 +1,557 @@
+"""The functional bridge: session model code as pure functions for ``jax.jit``.
+
+The same ``loss_fn(session, *args) -> scalar Tensor`` that runs eagerly in a
+notebook becomes
+
+* :func:`value_and_grad`: a pure ``(params, *args) -> (loss, grads)`` over a
+  pytree of parameters, composable with ``jax.jit``, ``jax.vmap``,
+  ``jax.lax.scan`` and hand-written optax code;
+* :func:`train_step`: forward, backward, per-storage gradient sums and the
+  optax update as **one** compiled XLA program, writing the results back into
+  the :class:`~tapeflow.Param` storages and the :class:`~tapeflow.Optimizer`.
+
+Both trace the session code once per input signature: the tape is recorded on
+tracers, differentiated with the same registry VJPs, and the Python graph walk
+disappears from the compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeAlias, TypedDict, Unpack
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .._core._interrupts import deferred_interrupts
+from .._core._result import TapeError
+from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
+from .._shell._params import Param, Storage, canonical_indices
+from .._shell._session import Session
+from .._shell._state import mode_reads
+from .._shell._tensor import Tensor
+from . import _step
+from ._optim import Optimizer
+from ._slots import SlotKey
+from ._step import StepOutcome, check_parts, finish
+
+__all__ = ["TrainStep", "TrainStepOptions", "param_values", "train_step", "value_and_grad"]
+
+LossFn: TypeAlias = Callable[..., "Tensor | tuple[Tensor, PyTree]"]
+"""``loss_fn(session, *args, **kwargs)``: a scalar Tensor recorded on ``session`` (or ``(loss, aux)`` with ``has_aux``)."""
+
+ParamSpecKey: TypeAlias = "Param | Storage | str"
+"""A key of ``train_step(param_specs=...)``: a Param, its Storage, or its name in the optimizer's params tree."""
+
+
+def _is_param(x: object) -> bool:
+    return isinstance(x, Param)
+
+
+def param_values(params: PyTree) -> PyTree:
+    """The current values of a pytree of Params (same structure, arrays at the leaves).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> tfl.param_values({"w": tfl.Param(jnp.ones(2))})["w"].tolist()
+    [1.0, 1.0]
+    """
+    return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
+
+
+def _functional_session(
+    overrides: dict[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
+) -> Session:
+    return Session(device=None, seed=0, param_values=overrides, rng_key=key, compute_dtype=compute_dtype, lazy=False)
+
+
+def _trace_loss(
+    loss_fn: LossFn,
+    has_aux: bool,
+    overrides: dict[Storage, Array],
+    key: PRNGKey | None,
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+    compute_dtype: DTypeLike | None = None,
+) -> tuple[Session, Tensor, PyTree]:
+    s = _functional_session(overrides, key, compute_dtype)
+    with s.as_current():
+        out: PyTree = loss_fn(s, *args, **kwargs)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TapeError("value_and_grad(has_aux=True): loss_fn must return (loss, aux)")
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if not isinstance(loss, Tensor):
+        raise TapeError(
+            f"loss_fn must return a scalar tfl.Tensor recorded on the session it was given, got {type(loss).__name__}"
+        )
+    s.check(loss)
+    if loss.shape != ():
+        raise TapeError(
+            f"loss_fn must return a scalar; got a tensor of shape {loss.shape} (reduce it with tfl.mean or tfl.sum)"
+        )
+    aux = jax.tree_util.tree_map(
+        lambda a: a.value if isinstance(a, Tensor) else a, aux, is_leaf=lambda a: isinstance(a, Tensor)
+    )
+    return s, loss, aux
+
+
+def _storage_grads(s: Session, loss: Tensor, storages: Sequence[Storage]) -> tuple[list[Array], tuple[bool, ...]]:
+    """Backward, then one gradient per storage (leaf cotangents summed in leaf order).
+
+    Also returns which storages the recording used; an unused one gets zeros.
+    """
+    summed = s.backward(loss).storage_gradients(storages)
+    out = [jnp.zeros(st.shape, st.dtype) if v is None else v for st, v in zip(storages, summed)]
+    return out, tuple(v is not None for v in summed)
+
+
+def _leaf_path(params: PyTree, i: int) -> str:
+    """``['name'][0]``-style path of leaf ``i`` of ``params`` (Params are leaves), for error messages."""
+    path = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param)[0][i][0]
+    return jax.tree_util.keystr(path)
+
+
+def value_and_grad(
+    loss_fn: LossFn, *, has_aux: bool = False, has_state: bool = False, compute_dtype: DTypeLike | None = None
+) -> Callable[..., tuple[PyTree, ...]]:
+    """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
+
+    ``params`` is any pytree whose leaves are :class:`Param` s (a dict by name, a
+    list, a module's ``param_dict()``); they give the values of their
+    storages for this call, whichever record of a storage ``loss_fn`` uses.
+    ``grads`` has the same structure, with one array per Param: the cotangents of
+    every use of that storage summed in recording order, exactly as
+    :meth:`Session.backward` and :class:`Optimizer` do. Each storage may appear
+    only once in ``params`` (tied records resolve to it).
+
+    With ``has_aux=True`` ``loss_fn`` returns ``(loss, aux)`` and ``f`` returns
+    ``((loss, aux), grads)``; Tensors inside ``aux`` come back as arrays.
+    A keyword argument ``rng`` (a ``jax.random`` key) seeds the session's random
+    tensors for the call. Under a JAX transformation every Param ``loss_fn``
+    reads must be in ``params``: one read at its current value would be baked
+    into the compiled program, so it is refused with a :class:`TapeError`.
+
+    ``f`` never writes a storage. State cells that ``loss_fn`` assigns
+    (:meth:`Session.assign_state`: BatchNorm's running statistics in train
+    mode) need ``has_state=True``: ``f`` then returns ``(loss, grads, state)``
+    (``((loss, aux), grads, state)`` with ``has_aux``), where ``state`` has the
+    structure of ``params`` and holds the new value of each assigned Param and
+    None for the others; write it back yourself (``p.value = v``) when the step
+    is accepted. Without ``has_state`` an assignment is refused with a
+    :class:`TapeError` rather than dropped; every assigned Param must be in
+    ``params``. ``compute_dtype`` sets the session's mixed-precision policy,
+    as ``Session(compute_dtype=...)``.
+
+    >>> import jax, jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
+    >>> def loss_fn(s, x):
+    ...     return tfl.sum(w * x * w)
+    >>> f = jax.jit(tfl.value_and_grad(loss_fn))
+    >>> loss, g = f({"w": w}, jnp.array([3.0, 1.0]))
+    >>> float(loss), g["w"].tolist()
+    (7.0, [6.0, 4.0])
+    """
+
+    def f(params: PyTree, *args: PyTree, rng: PRNGKey | None = None, **kwargs: PyTree) -> tuple[PyTree, PyTree]:
+        leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_param)
+        bad = [i for i, p in enumerate(leaves) if not isinstance(p, Param)]
+        if bad:
+            i = bad[0]
+            raise TypeError(
+                f"value_and_grad: params{_leaf_path(params, i)} is {type(leaves[i]).__name__}; pass a pytree of tfl.Param "
+                "(e.g. {'w': w}) so each value is tied to its storage"
+            )
+        canon = canonical_indices([p.storage for p in leaves])
+        for i, c in enumerate(canon):
+            if c is not None and c != i:
+                raise TapeError(
+                    f"value_and_grad: params{_leaf_path(params, c)} and params{_leaf_path(params, i)} "
+                    f"({leaves[c]!r}, {leaves[i]!r}) share one storage; pass each storage once (tied records resolve to it)"
+                )
+        storages = [p.storage for p in leaves]
+        overrides = {p.storage: p.value for p in leaves}
+        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype)
+        unlisted = s.unlisted_storages
+        if unlisted and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((leaves, args, kwargs))):
+            raise TapeError(
+                f"value_and_grad: loss_fn read {len(unlisted)} Param storage(s) not in params ({unlisted[0]!r} first) "
+                "while being traced: the compiled program would keep the value read now as a constant and ignore "
+                "later changes. Pass those Params in params (their gradients are returned too), or pass their "
+                "values as arguments (tfl.param_values(...))"
+            )
+        writes = s.state_writes
+        if writes and not has_state:
+            first = next(iter(writes))
+            raise TapeError(
+                f"value_and_grad: loss_fn assigned {len(writes)} state cell(s) ({first!r} first; e.g. BatchNorm's "
+                "running statistics in train mode). Pass has_state=True to get their new values back, or put the "
+                "module in eval mode (module.eval())"
+            )
+        listed = set(storages)
+        outside = [st for st in writes if st not in listed]
+        if outside:
+            raise TapeError(
+                f"value_and_grad(has_state=True): loss_fn assigned {outside[0]!r}, which is not in params; pass "
+                "every state cell in params (a module's param_dict() lists its running statistics)"
+            )
+        gl, _ = _storage_grads(s, loss, storages)
+        value = s.node(loss).value
+        grads = jax.tree_util.tree_unflatten(treedef, gl)
+        out = ((value, aux), grads) if has_aux else (value, grads)
+        if not has_state:
+            return out
+        state = jax.tree_util.tree_unflatten(treedef, [writes.get(st) for st in storages])
+        return (*out, state)
+
+    functools.update_wrapper(f, loss_fn, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    return f
+
+
+class _Retrace(Exception):
+    """Raised inside a trace that read Params the optimizer does not own (it carries them) or modes not yet keyed."""
+
+    def __init__(self, storages: tuple[Storage, ...]) -> None:
+        super().__init__(f"{len(storages)} storage(s) to pass as arguments")
+        self.storages = storages
+
+
+class TrainStepOptions(TypedDict, total=False):
+    """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
+
+    >>> sorted(TrainStepOptions.__annotations__)
+    ['compute_dtype', 'data_axis', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
+    """
+
+    mesh: Mesh | None
+    data_axis: str | None
+    param_specs: Mapping[ParamSpecKey, PartitionSpec] | None
+    donate: bool
+    has_aux: bool
+    seed: int
+    static_argnames: tuple[str, ...] | list[str] | str
+    compute_dtype: DTypeLike | None
+
+
+class TrainStep:
+    """A compiled training step; :func:`train_step` documents the options. Call it with the batch.
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array(1.0), name="w")
+    >>> step = tfl.TrainStep(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]))
+    >>> float(step(jnp.array(2.0))), float(w.value), step.step_count
+    (2.0, 0.0, 1)
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: Optimizer,
+        *,
+        mesh: Mesh | None = None,
+        data_axis: str | None = "data",
+        param_specs: Mapping[ParamSpecKey, PartitionSpec] | None = None,
+        donate: bool = False,
+        has_aux: bool = False,
+        seed: int = 0,
+        static_argnames: tuple[str, ...] | list[str] | str = (),
+        compute_dtype: DTypeLike | None = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.compute_dtype = compute_dtype
+        self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.data_axis = data_axis
+        self.donate = donate
+        self.has_aux = has_aux
+        self.seed = int(seed)
+        self.step_count = 0
+        self.trace_count = 0
+        # the abstract signatures traced so far: one compiled program each (see cache_size)
+        self._signatures: set[Hashable] = set()
+        self._param_specs = dict(param_specs or {})
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8))
+        self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
+        self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
+        # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
+        self._moded: list[weakref.ref[Any]] = []
+        self._mode_retrace = True  # a trace may ask for one retrace per call to key on newly read modes
+        # per-parameter shardings for a mesh, cached per tuple of slot storages
+        self._shardings_for: tuple[Storage, ...] | None = None
+        self._shardings: list[NamedSharding] = []
+        # the step counter on the device (the program derives the RNG key from it and returns it + 1)
+        self._counter: Array | None = None
+        self._counter_step = -1
+
+    # -- the pure step ---------------------------------------------------------
+    def _pure(
+        self,
+        values: list[Array],
+        state: OptState,
+        counter: Array,
+        args: tuple[PyTree, ...],
+        kwargs: dict[str, PyTree],
+        static_kwargs: tuple[tuple[str, Hashable], ...],
+        check_finite: bool,
+        extra_values: list[Array],
+        modes: tuple[tuple[int, bool], ...],
+    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None, dict[int, Array]]:
+        self.trace_count += 1
+        leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
+        signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs, modes)
+        kwargs = {**kwargs, **dict(static_kwargs)}
+        opt = self.optimizer
+        storages = opt.storages
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
+        overrides = dict(zip(storages, values))
+        overrides.update(zip(self._extra, extra_values))  # extra_values always holds self._extra's values
+        with mode_reads() as reads:
+            s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype)
+        new = tuple(st for st in s.unlisted_storages if st not in self._extra)
+        known = {id(r()) for r in self._moded}
+        moded = [weakref.ref(m) for i, m in reads.items() if i not in known]
+        self._moded += moded  # keyed from the next program on (a module made inside loss_fn dies and drops out)
+        # Params the optimizer does not own: trace again with them as arguments, never as constants;
+        # modes read for the first time: trace again (once per call) with them in the program's key
+        if new or (moded and self._mode_retrace):
+            raise _Retrace(new)
+        self._signatures.add(signature)
+        grads = s.backward(loss)
+        parts = [None if g is None else (grads.group_value(g),) for g in map(grads.group_of, storages)]
+        check_parts(opt.rule, parts, "train_step")
+        # state cells (running statistics) assigned by the recording: returned as outputs, keyed by storage uid
+        writes = s.state_writes
+        for k, st in enumerate(storages):
+            if parts[k] is not None and st in writes:
+                raise TapeError(
+                    f"train_step: loss_fn assigned {opt.describe(k)} as state and also trains it; a storage is "
+                    "either a state cell or a trained parameter"
+                )
+        self._state_cells.update((st.uid, st) for st in writes)
+        state_out = {st.uid: v for st, v in writes.items()}
+        out = _step.step(opt.rule, parts, values, state, check_finite)
+        next_counter = counter + 1
+        if out.finite is not None:  # a refused step keeps the counter, as it keeps every other value
+            next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
+        return out.values, out.state, next_counter, s.node(loss).value, aux, out.finite, state_out
+
+    # -- sharding --------------------------------------------------------------
+    def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
+        for key, spec in self._param_specs.items():
+            if (isinstance(key, Param) and key.storage is st) or key is st:
+                return spec
+            if isinstance(key, str) and slot_key == key:
+                return spec
+        return PartitionSpec()
+
+    def _mesh(self) -> Mesh:
+        if self.mesh is None:
+            raise TapeError("TrainStep: this step was built without a mesh; pass mesh= to train_step to shard it")
+        return self.mesh
+
+    def _param_shardings(self, storages: tuple[Storage, ...]) -> list[NamedSharding]:
+        if self._shardings_for is not storages:
+            keys = self.optimizer.slot_keys
+            self._shardings = [NamedSharding(self._mesh(), self._spec_for(st, key)) for st, key in zip(storages, keys)]
+            self._shardings_for = storages
+        return self._shardings
+
+    def _place(
+        self, storages: tuple[Storage, ...], values: list[Array], state: OptState, args: tuple[PyTree, ...]
+    ) -> tuple[list[Array], OptState, tuple[PyTree, ...]]:
+        mesh = self._mesh()
+        pshard = self._param_shardings(storages)
+        repl = NamedSharding(mesh, PartitionSpec())
+        values = [jax.device_put(v, sh) for v, sh in zip(values, pshard)]
+
+        def put(x: PyTree, sharding: NamedSharding) -> PyTree:
+            return jax.device_put(x, sharding) if hasattr(x, "shape") else x
+
+        def place_part(k: int, part: PyTree) -> PyTree:
+            # k >= 0: parameter k's part of a params-shaped copy (optax.tree_utils.tree_map_params found
+            # it): sharded like the parameter when it has the parameter's shape; anything else replicated
+            def place(x: PyTree) -> PyTree:
+                same = k >= 0 and hasattr(x, "shape") and tuple(x.shape) == storages[k].shape
+                return put(x, pshard[k] if same else repl)
+
+            return jax.tree_util.tree_map(place, part)
+
+        state = jax.tree_util.tree_map(place_part, self.optimizer.slot_indices(state), state)
+        batch = NamedSharding(mesh, PartitionSpec(self.data_axis)) if self.data_axis else repl
+
+        def place_arg(a: PyTree) -> PyTree:
+            if hasattr(a, "shape") and len(np.shape(a)) >= 1:
+                return jax.device_put(a, batch)
+            return a
+
+        args = jax.tree_util.tree_map(place_arg, args)
+        return values, state, args
+
+    # -- call ------------------------------------------------------------------
+    def _new_counter(self, values: list[Array]) -> Array:
+        """``step_count`` as a uint32 scalar placed like the program's other inputs (no retrace later)."""
+        c = np.asarray(self.step_count, dtype=np.uint32)
+        if self.mesh is not None:
+            return jax.device_put(c, NamedSharding(self.mesh, PartitionSpec()))
+        committed = [v for v in values if isinstance(v, jax.Array) and getattr(v, "committed", False)]
+        return jax.device_put(c, committed[0].sharding) if committed else jnp.asarray(c)
+
+    def _read_extra(self, extra: tuple[Storage, ...]) -> list[Array]:
+        """Current values of the Params read but not owned by the optimizer (replicated over a mesh)."""
+        vals = Storage.read_current_many(extra)
+        if self.mesh is not None and extra:
+            repl = NamedSharding(self._mesh(), PartitionSpec())
+            vals = [jax.device_put(v, repl) for v in vals]
+        return vals
+
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Array | tuple[Array, PyTree]:
+        with self.optimizer.lock:  # steps over one optimizer, from any thread, run one at a time
+            if not self.donate:
+                return self._call(args, kwargs)
+            # donated inputs are gone once the program starts: hold Ctrl-C until the results are written
+            with deferred_interrupts():
+                return self._call(args, kwargs)
+
+    def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
+        opt = self.optimizer
+        storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
+        values = Storage.read_current_many(storages)  # no placement, no host sync
+        state = opt.state
+        if self.mesh is not None:
+            values, state, args = self._place(storages, values, state, args)
+        if self._counter_step != self.step_count:  # first call, or step_count set by the user
+            self._counter = self._new_counter(values)
+        static: tuple[tuple[str, Hashable], ...] = ()
+        if self.static_argnames and kwargs:
+            static = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
+            kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        extra = self._extra
+        extra_values = self._read_extra(extra) if extra else []
+        self._mode_retrace = True
+        while True:
+            try:
+                out = self._compiled(
+                    values,
+                    state,
+                    self._counter,
+                    args,
+                    kwargs,
+                    static,
+                    bool(opt.check_finite),
+                    extra_values,
+                    self._modes() if self._moded else (),
+                )
+                break
+            except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
+                extra = self._extra = extra + r.storages
+                self._mode_retrace = False
+                extra_values = self._read_extra(extra)
+            except Exception as e:
+                if self.donate and any(isinstance(v, jax.Array) and v.is_deleted() for v in values):
+                    raise TapeError(
+                        f"train_step(donate=True): the program failed ({type(e).__name__}) after its inputs were "
+                        "donated, so the parameter values and optimizer state it was given are deleted. Restore "
+                        "them from a checkpoint; with donate=False (the default) a failed step keeps them"
+                    ) from e
+                raise
+        new_vals, new_state, counter, loss, aux, flags, state_out = out
+        cells = [(self._state_cells[uid], v) for uid, v in state_out.items()] if state_out else []
+        # one device: the trace checked shape and dtype, and the program leaves each value on the device
+        # of the cell it read, so the fast write into that cell is exact; parameters, optimizer state,
+        # state cells and counters change together or not at all
+        with deferred_interrupts():
+            try:
+                finish(
+                    opt.rule,
+                    storages,
+                    StepOutcome(new_vals, new_state, flags),
+                    [True] * len(storages),
+                    "train_step",
+                    opt,
+                    replacing=values if self.mesh is None else None,
+                    state_writes=cells,
+                    restore_on_refusal=self.donate,  # the donated old values exist only as the program's outputs
+                )
+            except TapeError:
+                if self.donate:
+                    self._counter = counter  # the program's (unchanged) counter: the old one was donated
+                raise
+            self._counter = counter
+            self.step_count += 1
+            self._counter_step = self.step_count
+        return (loss, aux) if self.has_aux else loss
+
+    def _modes(self) -> tuple[tuple[int, bool], ...]:
+        """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
+        alive = [m for m in (r() for r in self._moded) if m is not None]
+        if len(alive) < len(self._moded):
+            self._moded = [weakref.ref(m) for m in alive]
+        return tuple((id(m), bool(m.training)) for m in alive)  # read outside any trace: not noted
+
+    def cache_size(self) -> int:
+        """How many programs are compiled: one per distinct signature traced so far.
+
+        A signature is the pytree structure, shapes, dtypes (and weak types) of the
+        arguments, parameters and optimizer state, plus the static arguments.
+        Unlike :attr:`trace_count` it does not grow when JAX retraces a signature it
+        has seen (e.g. after ``jax.clear_caches()``).
+        """
+        return len(self._signatures)
+
+
+def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainStepOptions]) -> TrainStep:
+    """Compile ``loss_fn(session, *args)`` plus ``optimizer``'s update into one XLA program.
+
+    ``step = train_step(loss_fn, opt)`` then ``loss = step(*batch)`` runs forward,
+    backward, per-storage sums of tied cotangents and the optax update as one
+    compiled call, then writes the new values into the Param storages and the new
+    state into ``opt``. It retraces only for new shapes, dtypes or static
+    arguments (``step.trace_count``). ``train_step(loss_fn, opt, **options)`` is
+    ``TrainStep(loss_fn, opt, **options)``; the options (:class:`TrainStepOptions`,
+    keyword only) are:
+
+    * ``mesh``: a ``jax.sharding.Mesh``; arguments are sharded over ``data_axis``
+      along their first dimension, parameters are replicated unless
+      ``param_specs`` maps a Param (or its name) to a ``PartitionSpec``; per-parameter
+      optimizer slots follow their parameter's sharding.
+    * ``donate`` (default False): let the program reuse the buffers of the previous
+      parameter values and optimizer state for the new ones. By default the old
+      buffers live until the new values are written back, which costs one extra
+      copy of the parameters and optimizer state at the peak, and buys the
+      guarantee that a failed or interrupted step changes nothing: the Params and
+      the optimizer keep exactly their old values (or, once the program finished,
+      exactly the new ones) and every array you kept, including leaves an open
+      session recorded with ``s.use(w)``, stays valid. ``donate=True`` saves that
+      memory and gives both up: a failure inside the program deletes the
+      parameters and the state (a :class:`TapeError` says so), and arrays still
+      referring to the old values become invalid.
+    * ``has_aux``: ``loss_fn`` returns ``(loss, aux)`` and the step returns both.
+    * ``seed``: session random tensors in step ``k`` derive from ``fold_in(key(seed), k)``.
+    * ``static_argnames``: keyword arguments of ``loss_fn`` passed as compile-time
+      constants (hashable Python values such as a flag or a mode string); each
+      new value compiles a new program.
+    * ``compute_dtype``: the mixed-precision policy of the session ``loss_fn``
+      records on, as ``Session(compute_dtype=...)`` (float32 master weights).
+
+    State cells (non-trainable Params that ``loss_fn`` assigns with
+    :meth:`Session.assign_state`, such as BatchNorm's running statistics in
+    train mode) are program inputs read at their current value on every call
+    (never constants) and outputs of the program: their new values are
+    installed together with the parameters and the optimizer state, and a step
+    that fails (an exception, or a non-finite gradient with ``check_finite``)
+    leaves them unchanged, as it leaves the parameters.
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array(3.0), name="w")
+    >>> opt = tfl.Optimizer(optax.sgd(0.25), [w])
+    >>> step = tfl.train_step(lambda s, x: (w * x - 1.0) ** 2.0, opt)
+    >>> round(float(step(jnp.array(1.0))), 3), round(float(w.value), 3)
+    (4.0, 2.0)
+    """
+    return TrainStep(loss_fn, optimizer, **options)

@@ -1,0 +1,462 @@
+"""`Optimizer`: any optax ``GradientTransformation`` over parameter storages.
+
+The optimizer state has **one slot per storage**: parameters tied with
+:func:`~tapeflow.tie` share a slot, so they never get two moment histories.
+:meth:`Optimizer.step` takes the :class:`~tapeflow.Grads` of a recording,
+takes the per-storage gradient sums from it (:meth:`Grads.group_gradient`, the
+one home of the tied-weight sum), validates everything, and then applies one
+compiled optax update per step that writes each storage once, starting from its
+*current* value. :meth:`Optimizer.update` is that update as a pure function,
+which :func:`~tapeflow.train_step` traces into its program.
+
+>>> import jax.numpy as jnp, optax, tapeflow as tfl
+>>> w = tfl.Param(jnp.array(1.0), name="w")
+>>> opt = tfl.Optimizer(optax.sgd(1.0), [w])
+>>> with tfl.Session() as s:
+...     loss = w * 1.0 + w * 0.25          # two uses of one storage
+...     opt.step(s.backward(loss))
+>>> float(w.value)                         # 1.0 - (1.0 + 0.25)
+-0.25
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeAlias, cast
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._core._device import device_of
+from .._core._result import TapeError
+from .._core._typing import Array, ArrayLike, OptState, PyTree
+from .._shell._commit import commit
+from .._shell._grads import Grads, ParameterGroup, sum_in_leaf_order
+from .._shell._lazy import LazyGrads
+from .._shell._params import Param, Storage, canonical_indices
+from .._shell._state import StateLog, state_log_of
+from . import _step
+from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
+from ._step import SlotParts, SlotRule, StepOutcome, check_parts, finish
+
+__all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
+
+GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
+"""What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
+
+StepFn: TypeAlias = Callable[[SlotParts, Sequence[Array], OptState], StepOutcome]
+""":func:`tapeflow._train._step.step` for one optimizer and finite-check flag, as a lazy step program calls it."""
+
+
+class Optimizer:
+    """Optax transformation ``tx`` over the storages of ``params``.
+
+    ``params`` is a sequence of :class:`Param` s, a mapping ``name -> Param`` (the
+    optax params pytree is then a dict keyed by the first name of each storage,
+    which ``optax.multi_transform`` labels can use), or a module with
+    ``named_parameters()`` (its trainable ones: state cells such as BatchNorm's
+    running statistics and frozen Params get no optimizer slot).
+
+    * ``opt.storages`` (alias ``opt.params``): the canonical storages, in
+      first-registration order (one per slot); ``opt.slot_keys`` their keys in
+      the optax params pytree.
+    * ``opt.state``: the plain optax state pytree.
+    * ``opt.step(grads, check_finite=False)``: one update per used storage.
+    * ``opt.update(values, state, grads, used)``: the same update as a pure,
+      jit-compatible function of the slot values (what ``train_step`` compiles).
+    * ``opt.lock``: steps (eager or compiled) over this optimizer from several
+      threads are serialized on it, and each step's write-back is one unit.
+
+    A trainable parameter that the recording did not use is skipped, as PyTorch
+    skips a parameter whose ``.grad`` is None: its value and its per-parameter
+    optimizer slots stay exactly as they were (global counters such as Adam's step
+    count advance with every step). The per-parameter slots are located with
+    :func:`optax.tree_utils.tree_map_params` (see :func:`slot_index_tree`).
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> emb = tfl.Param(jnp.ones((4, 2)), name="emb")
+    >>> out = tfl.tie(emb, name="out")               # tied: same storage
+    >>> opt = tfl.Optimizer(optax.adam(1e-3), {"emb": emb, "out": out})
+    >>> len(opt.storages), opt.slot_keys, list(opt.state[0].mu)   # one slot, keyed by the first name
+    (1, ['emb'], ['emb'])
+    """
+
+    def __init__(
+        self, tx: optax.GradientTransformation, params: ParamCollection, *, check_finite: bool = False
+    ) -> None:
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"Optimizer expects an optax GradientTransformation, got {type(tx).__name__}")
+        self.tx = tx
+        self.check_finite = check_finite
+        self.lock = threading.RLock()  # steps from several threads run one after the other
+        self._records, names = records_of(params)
+        self._names = names
+        self._init_slots()
+
+    # -- layout ----------------------------------------------------------------
+    def _init_slots(self) -> None:
+        storages = [p.storage for p in self._records]
+        self._layout = canonical_indices(storages)
+        firsts = [i for i, c in enumerate(self._layout) if c == i]
+        self._slot_storages: tuple[Storage, ...] = tuple(storages[i] for i in firsts)
+        self._slot_of_storage = {id(s): k for k, s in enumerate(self._slot_storages)}
+        self._slot_specs = [(st.shape, st.dtype) for st in self._slot_storages]  # what each slot's gradient must be
+        self._slot_keys: list[SlotKey] = (
+            [self._names[i] for i in firsts] if self._names is not None else list(range(len(firsts)))
+        )
+        # the registrations' storages when the layout was last found valid (check_layout's fast path)
+        self._checked_storages: list[Storage] = storages
+        # state structure -> slot_index_tree of it (None: tree_map_params could not map it)
+        self._slot_indices: dict[jax.tree_util.PyTreeDef, PyTree] = {}
+        self._warned_no_slots = False
+        self.rule = SlotRule(
+            self.tx,
+            tuple(self._slot_specs),
+            None if self._names is None else tuple(self._slot_keys),
+            self.slot_indices,
+            self.describe,
+        )
+        rule = self.rule
+
+        def run(parts: SlotParts, values: Sequence[Array], state: OptState, check_finite: bool) -> StepOutcome:
+            return _step.step(rule, parts, values, state, check_finite)
+
+        # compiled once per structure of the parts (which slots are used, how many leaves each has)
+        self._step_fn = jax.jit(run, static_argnums=3)
+        self._lazy_steps: dict[bool, StepFn] = {}
+        self.state: OptState = self.tx.init(self.param_tree())
+
+    def _tree(self, values: Sequence[object]) -> PyTree:
+        if self._names is not None:
+            return dict(zip(self._slot_keys, values))
+        return list(values)
+
+    @property
+    def storages(self) -> list[Storage]:
+        """The canonical storages, one per optimizer slot, in first-registration order."""
+        return list(self._slot_storages)
+
+    @property
+    def params(self) -> list[Storage]:
+        """Alias of :attr:`storages`."""
+        return list(self._slot_storages)
+
+    @property
+    def slot_keys(self) -> list[SlotKey]:
+        """The key of each slot in the optax params pytree: the first name of its storage, or its position."""
+        return list(self._slot_keys)
+
+    @property
+    def records(self) -> list[Param]:
+        """Every registration given to the optimizer (tied records included)."""
+        return list(self._records)
+
+    @property
+    def alias_layout(self) -> list[int | None]:
+        """For each registration, the index of the first registration of its storage."""
+        return list(self._layout)
+
+    def param_tree(self, values: Sequence[Array] | None = None) -> PyTree:
+        """``values`` (one per slot; default: the current values) as the optax params pytree.
+
+        A list, or for a mapping of parameters a dict keyed by :attr:`slot_keys`.
+        """
+        if values is None:
+            values = [s.read_host() for s in self._slot_storages]
+        elif len(values) != len(self._slot_storages):
+            raise ValueError(
+                f"Optimizer.param_tree: expected {len(self._slot_storages)} values (one per slot), got {len(values)}"
+            )
+        return self._tree(values)
+
+    def describe(self, k: int) -> str:
+        """Slot ``k`` for error messages: the repr of the first registration of its storage."""
+        st = self._slot_storages[k]
+        return repr(next(p for p in self._records if p.storage is st))
+
+    def reinit(self) -> None:
+        """Re-read the alias layout of the registrations and start from fresh optimizer state."""
+        self._init_slots()
+
+    def check_layout(self) -> tuple[Storage, ...]:
+        """Raise :class:`TapeError` if the registrations no longer fit the state; return the slot storages.
+
+        The state has one slot per storage given at init: a registration re-pointed
+        at a storage with no slot, or a changed alias pattern (tying or untying
+        records), needs :meth:`reinit`. Costs one identity comparison per
+        registration when nothing changed since the last check; the returned tuple
+        is the same object until :meth:`reinit`.
+        """
+        now_storages = [p.storage for p in self._records]
+        if now_storages == self._checked_storages:  # element identity (Storage has no __eq__)
+            return self._slot_storages
+        now = canonical_indices(now_storages)
+        if now != self._layout:
+            first = next(i for i, (a, b) in enumerate(zip(now, self._layout)) if a != b)
+            raise TapeError(
+                f"Optimizer: the alias layout of its parameters changed since init (registration {first} "
+                f"{self._records[first]!r} now shares storage with registration {now[first]}, was {self._layout[first]}); "
+                "existing optimizer state cannot be mapped onto the new storages. Call opt.reinit() to start "
+                "from fresh optimizer state"
+            )
+        stale = next((i for i, st in enumerate(now_storages) if id(st) not in self._slot_of_storage), None)
+        if stale is not None:
+            raise TapeError(
+                f"Optimizer: registration {stale} {self._records[stale]!r} now points at a storage that was not "
+                "given to the optimizer at init; existing optimizer state has no slot for it. Call opt.reinit() "
+                "to start from fresh optimizer state"
+            )
+        self._checked_storages = now_storages
+        return self._slot_storages
+
+    def slot_indices(self, state: OptState | None = None) -> PyTree:
+        """:func:`slot_index_tree` of ``state`` (default :attr:`state`) for this optimizer's params tree.
+
+        Cached per state structure, so it is free after the first call (also inside
+        ``jax.jit``: it looks at the structure only). When ``tree_map_params``
+        cannot map the state (see :func:`slot_index_tree`) it warns once and returns
+        ``-1`` for the whole state: nothing is then known to be per-parameter, so a
+        parameter a step does not use has its slots updated with a zero gradient,
+        and ``train_step(mesh=...)`` replicates every slot.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.1, momentum=0.9), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(3))])
+        >>> opt.slot_indices()
+        (TraceState(trace=[0, 1]), EmptyState())
+        """
+        if state is None:
+            state = self.state
+        treedef = jax.tree_util.tree_structure(state)
+        got = self._slot_indices.get(treedef)
+        if got is None:
+            try:
+                got = slot_index_tree(self.tx, state, self._tree(range(len(self._slot_storages))))
+            except Exception as e:
+                got = -1
+                if not self._warned_no_slots:
+                    self._warned_no_slots = True
+                    warnings.warn(
+                        f"Optimizer: optax.tree_utils.tree_map_params cannot locate the per-parameter parts of this "
+                        f"optax state ({type(e).__name__}: {e}); the slots of a parameter a step does not use are "
+                        "updated with a zero gradient, and train_step(mesh=...) replicates every slot",
+                        stacklevel=2,
+                    )
+            self._slot_indices[treedef] = got
+        return got
+
+    # -- gradients -------------------------------------------------------------
+    def _collect(self, grads: GradsLike) -> tuple[list[tuple[Array, ...] | None], list[ParameterGroup | None]]:
+        """For each slot, the cotangents that update it (None: slot unused this step), and its group for a Grads."""
+        n = len(self._slot_storages)
+        per_slot: list[tuple[Array, ...] | None] = [None] * n
+        if isinstance(grads, Grads):
+            groups = self._slot_groups(grads)
+            for slot, g in enumerate(groups):
+                if g is None:
+                    continue
+                missing = [i for i in g.leaves if i not in grads.by_leaf]
+                if missing:
+                    raise TapeError(
+                        f"Optimizer.step: missing gradient for leaf #{missing[0]} of {g.parameter!r} "
+                        f"(storage used at leaves {list(g.leaves)}); nothing was updated"
+                    )
+                per_slot[slot] = grads.leaf_values(g)
+            return per_slot, groups
+        groups = [None] * n  # a mapping has no parameter groups
+        if not isinstance(grads, Mapping):
+            raise TypeError(
+                f"Optimizer.step expects tfl.Grads or a mapping Param -> gradient, got {type(grads).__name__}"
+            )
+        for key, v in grads.items():
+            if isinstance(key, Param):
+                st: Storage | None = key.storage
+            elif isinstance(key, Storage):
+                st = key
+            elif self._names is not None and key in self._slot_keys:
+                st = self._slot_storages[self._slot_keys.index(cast(str, key))]
+            else:
+                raise TapeError(f"Optimizer.step: gradient key {key!r} is not one of this optimizer's parameters")
+            k = self._slot_of_storage.get(id(st))
+            if k is None:
+                raise TapeError(f"Optimizer.step: {key!r} is not one of this optimizer's parameters")
+            if v is None:
+                continue
+            per_slot[k] = (per_slot[k] or ()) + (v,)
+        return per_slot, groups
+
+    def _slot_groups(self, grads: Grads) -> list[ParameterGroup | None]:
+        """The parameter group of ``grads`` that updates each slot (None: the recording did not use it)."""
+        if grads.released:
+            raise TapeError("Optimizer.step: these gradients were already released; run backward again")
+        groups: list[ParameterGroup | None] = [None] * len(self._slot_storages)
+        for g in grads.groups:
+            if g.storage is None:
+                self._refuse_storageless(g)
+            elif (k := self._slot_of_storage.get(id(g.storage))) is not None:
+                groups[k] = g
+        return groups
+
+    def _refuse_storageless(self, g: ParameterGroup) -> None:
+        """Raise if ``g`` registers one of this optimizer's Params without a storage (nothing to update)."""
+        p = g.parameter
+        st = p.storage if isinstance(p, Param) else None
+        if st is not None and id(st) in self._slot_of_storage:
+            raise TapeError(
+                f"Optimizer.step: leaf #{g.leaves[0]} registers {p!r}, one of this optimizer's parameters, without "
+                "a storage descriptor, so the optimizer cannot tell which storage its gradient updates; nothing "
+                "was updated. Register it with session.register_parameter_leaf(h, p, storage=p.storage), or "
+                "record it with session.use(p)"
+            )
+
+    # -- update ----------------------------------------------------------------
+    def update(
+        self,
+        values: Sequence[Array],
+        state: OptState,
+        grads: Sequence[Array | None],
+        used: Sequence[bool] | None = None,
+    ) -> tuple[list[Array], OptState]:
+        """One optax update of the slot values, as a pure function: ``(new_values, new_state)``.
+
+        ``values`` and ``grads`` hold one array per slot (in :attr:`storages`
+        order; ``grads`` already summed per storage); ``used`` marks the slots the
+        recording used (default: those whose gradient is not None). An unused
+        slot's value and per-parameter state are returned unchanged; when no slot
+        is used, nothing changes, not even shared state such as Adam's step
+        count (as in :meth:`step`). Nothing is read or written: this is
+        :func:`tapeflow._train._step.step`, the update every training path runs, compiled
+        once per ``used`` pattern; it can be called inside ``jax.jit``.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.5), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))])
+        >>> vals, state = opt.update([jnp.ones(2), jnp.ones(1)], opt.state, [jnp.ones(2), None])
+        >>> [v.tolist() for v in vals]
+        [[0.5, 0.5], [1.0]]
+        """
+        n = len(self._slot_storages)
+        if len(values) != n or len(grads) != n:
+            raise ValueError(
+                f"Optimizer.update: expected {n} values and gradients (one per slot), got {len(values)} and {len(grads)}"
+            )
+        mask = [g is not None for g in grads] if used is None else [bool(u) for u in used]
+        parts = [
+            None if not m else ((jnp.zeros(self.rule.specs[k][0], self.rule.specs[k][1]) if g is None else g),)
+            for k, (g, m) in enumerate(zip(grads, mask))
+        ]
+        out = self._step_fn(parts, list(values), state, False)
+        return out.values, out.state
+
+    def step(self, grads: GradsLike, *, check_finite: bool | None = None) -> None:
+        """Apply one update per storage used in the recording, then free the gradients it used.
+
+        Every gradient is validated (present, shape and dtype; with
+        ``check_finite``, that each storage's summed gradient is finite) before
+        any parameter changes; a refused step leaves the gradients readable. The
+        gradient buffers this step consumed are released after the update, also
+        when the update raises; once every parameter group of ``grads`` is
+        consumed the whole ``Grads`` is released (so two optimizers over disjoint
+        parameters can share one). Steps from several threads are serialized on
+        :attr:`lock`. What the step computes and writes is :mod:`tapeflow._train._step`,
+        shared with a lazy session's fused step and :func:`~tapeflow.train_step`.
+
+        State cells the recording assigned eagerly (``Session.assign_state``:
+        BatchNorm's running statistics) were written during the forward; when
+        this step fails (an invalid or non-finite gradient, an exception in the
+        update, Ctrl-C) their old values are put back, so a failed step changes
+        neither the parameters nor the state, as in :func:`~tapeflow.train_step`.
+        Once a step over the recording's gradients succeeded, its writes are final.
+        """
+        with self.lock:
+            log = state_log_of(grads)
+            try:
+                self._run(grads, check_finite, log)
+            except BaseException:
+                if log is not None:
+                    log.undo()  # nothing once committed: the step's write-back had completed
+                raise
+
+    def _run(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
+        storages = self.check_layout()
+        check = self.check_finite if check_finite is None else check_finite
+        then = () if log is None else (log.commit,)
+        if isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads) and self._fused(grads, check, then):
+            return
+        parts, groups = self._collect(grads)
+        check_parts(self.rule, parts, "Optimizer.step")
+        used = [p is not None for p in parts]
+        mine = [g for g in groups if g is not None]
+        if not any(used):
+            if isinstance(grads, Grads):
+                grads.consume(mine)
+            commit(where="Optimizer.step", then=then)
+            return
+        try:
+            device = next(device_of(p[0]) for p in parts if p is not None)
+            values = [s.read(device) for s in storages]
+            # summed here, as grads[param] sums them (bit-identical to it), then handed to the step as one part
+            if isinstance(grads, Grads):
+                parts = [None if g is None else (grads.group_value(g),) for g in groups]
+            else:
+                parts = [None if p is None else (sum_in_leaf_order(p),) for p in parts]
+            out = self._step_fn(parts, values, self.state, check)
+        except BaseException:
+            if isinstance(grads, Grads):
+                grads.consume(mine)  # a failed update still lets go of the gradients it used
+            raise
+        finish(self.rule, storages, out, used, "Optimizer.step", self, then=then)
+        if isinstance(grads, Grads):
+            grads.consume(mine)  # lets go of what this step used; of everything once every group is used
+
+    def _fused(self, grads: Grads, check_finite: bool, then: Sequence[Callable[[], None]]) -> bool:
+        """A lazy session's unread gradients and the step as one program (as ``train_step``); False: not fusable.
+
+        It fuses when this optimizer consumes every parameter group of ``grads``
+        (else they are computed once and shared, as eagerly); the checks and the
+        write-back are :mod:`tapeflow._train._step`'s, as in :meth:`step`.
+        """
+        lazy = cast(LazyGrads, grads.pending)
+        groups = self._slot_groups(grads)
+        mine = [g for g in groups if g is not None]
+        if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
+            return False
+        nodes = lazy.tape.nodes
+        leaves = [None if g is None else g.leaves for g in groups]
+        check_parts(self.rule, [None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], "Optimizer.step")
+        used = [ls is not None for ls in leaves]
+        grads.pending = None  # consumed by this step, read or not
+        try:
+            storages = self._slot_storages
+            device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
+            values = [st.read(device) for st in storages]
+            exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
+            out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state)
+        except BaseException:
+            grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
+            raise
+        try:
+            finish(
+                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if exact else None, then=then
+            )
+        except BaseException:
+            grads.pending = lazy  # as step: a refused step leaves the gradients readable
+            raise
+        grads.release()  # every storage group was this step's (consume(mine) would end in the same release)
+        return True
+
+    def _lazy_step_fn(self, check_finite: bool) -> StepFn:
+        """:func:`tapeflow._train._step.step` for this layout as a function of ``(parts, values, state)``; one object per flag."""
+        fn = self._lazy_steps.get(check_finite)
+        if fn is None:
+            rule = self.rule
+
+            def run(parts: SlotParts, values: Sequence[Array], state: OptState) -> StepOutcome:
+                return _step.step(rule, parts, values, state, check_finite)
+
+            fn = self._lazy_steps[check_finite] = run
+        return fn
+
+    def __repr__(self) -> str:
+        return f"Optimizer({len(self._slot_storages)} slots for {len(self._records)} registrations)"
