@@ -26,7 +26,8 @@ import optax
 import pytest
 
 import tapeflow as tfl
-from tapeflow import TapeError, _kernels
+from tapeflow import TapeError
+from tapeflow._core import _kernels
 from tapeflow._core import _registry as R
 
 ROOT = Path(__file__).resolve().parents[1]
