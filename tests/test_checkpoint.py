@@ -205,7 +205,7 @@ class TestRoundTrip:
     def test_overwrite(self, saved, tmp_path):
         path, _ = saved
         regs, opt, sess = make_model(12, session_seed=5)
-        sess._rng_counter = 3
+        sess.set_rng_state(counter=3)
         with pytest.raises(CheckpointError, match=r"already exists.*overwrite=True"):
             tfl.save(path, regs, opt, sess)
         tfl.save(path, regs, opt, sess, overwrite=True)

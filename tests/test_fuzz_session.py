@@ -1416,7 +1416,7 @@ class SessionFuzz(RuleBasedStateMachine):
         gc.collect()
         held = 2 * len(self.values) + sum(len(jax.tree_util.tree_leaves(o.opt.state)) for o in self.opts)
         for sr in self.all_sessions():
-            held += len(sr.s.tape) + len(sr.s._constants) + 1
+            held += len(sr.s.tape) + len(sr.s._values.constants) + 1
         for pg in self.pending:
             if not pg.grads.released:
                 held += len(pg.grads.by_leaf) + len(pg.grads._sums)

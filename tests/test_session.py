@@ -527,3 +527,34 @@ class TestDevices:
     def test_wrong_type_raises(self):
         with pytest.raises(TypeError):
             tfl.Session(device=0)
+
+
+class TestMode:
+    def test_each_session_states_its_mode(self):
+        modes = []
+
+        def loss(s):
+            modes.append(s.mode)
+            return tfl.sum(s.input(jnp.ones(2)))
+
+        tfl.value_and_grad(loss)({})
+        assert (tfl.Session(lazy=False).mode, tfl.Session(lazy=True).mode, modes) == ("eager", "lazy", ["traced"])
+
+    @pytest.mark.parametrize("kw", [{"param_values": {}}, {"rng_key": jax.random.PRNGKey(0)}])
+    def test_the_traced_sessions_internals_are_not_constructor_arguments(self, kw):
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            tfl.Session(**kw)
+
+    def test_a_recorded_backward_of_a_lazy_session_runs_its_hooks_ops_at_once_and_stays_lazy(self):
+        from tapeflow._core._tape import PENDING
+
+        s = tfl.Session(lazy=True)
+        x = s.input(jnp.array(3.0), requires_grad=True)
+        y = x * x
+        seen = []
+        s.register_hook(y, lambda g: seen.append(g * 2.0) or seen[-1])
+        g = s.backward(y, create_graph=True)
+        assert s.recording[seen[0].id].value is not PENDING  # recorded eagerly: the sweep read it
+        assert float(g[x]) == 12.0
+        z = x * 2.0  # after the backward, the session records lazily again
+        assert s.mode == "lazy" and s.recording[z.id].value is PENDING

@@ -53,6 +53,7 @@ __all__ = [
     "keep_tape_on_error",
     "leaf",
     "node_id",
+    "place",
     "record",
     "with_values",
 ]
@@ -319,7 +320,20 @@ def fill_pending(tape: Tape, ids: Sequence[int], values: Sequence[Array]) -> Non
         nd.value = v
 
 
-def _as_value(value: ArrayLike, device: jax.Device | None) -> Array:
+def place(value: ArrayLike, device: jax.Device | None) -> Array:
+    """``value`` as a tape holds it: placed on ``device``, or uncommitted on JAX's default device (None).
+
+    The one placement rule: exact rationals (NumPy object arrays) and tracers
+    stay as they are; a ``jax.Array`` already on ``device``, or sharded over
+    several devices, keeps its placement; anything else is put on ``device``
+    (committed), or converted with JAX's dtypes and left uncommitted on the
+    default device when ``device`` is None. A session passes None for its
+    default device, so kernels see one placement for every operand.
+
+    >>> import numpy as np
+    >>> place(np.ones(2), None).dtype, place(np.ones(2), jax.devices()[0]).committed
+    (dtype('float32'), True)
+    """
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value
     if isinstance(value, jax.core.Tracer):
@@ -351,7 +365,7 @@ def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tap
     TypeError: leaf: 'abc' (str) is not an array of numbers; pass a NumPy or JAX array or a Python number
     """
     try:
-        v = _as_value(value, tape.device)
+        v = place(value, tape.device)
     except TypeError:
         raise TypeError(
             f"leaf: {value!r:.80} ({type(value).__name__}) is not an array of numbers; "

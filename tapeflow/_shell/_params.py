@@ -17,94 +17,31 @@ never make two parameters aliases.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Sequence
-from fractions import Fraction
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._core import _registry as R
 from .._core import _treescope
 from .._core._device import device_of
-from .._core._result import TapeError
 from .._core._typing import Array, ArrayLike, DTypeLike
 from ._commit import commit
 from ._tensor import RemovableHandle, TensorOps
+from ._values import check_value_kind, stored
 
-__all__ = [
-    "COMPLEX_HINT",
-    "Param",
-    "RationalFallbackWarning",
-    "Storage",
-    "ValuePolicy",
-    "canonical_indices",
-    "check_value_kind",
-    "tie",
-]
-
-COMPLEX_HINT = (
-    "complex values are not supported yet: gradients of complex inputs would be wrong; "
-    "use real and imaginary parts as two real tensors"
-)
+__all__ = ["Param", "Storage", "canonical_indices", "tie"]
 
 _storage_ids = itertools.count()
 _storage_lock = threading.Lock()
-
-
-def check_value_kind(x: object, where: str) -> None:
-    """Refuse values tapeflow cannot differentiate: complex ones, and object arrays not of exact rationals.
-
-    An object array is the exact-rational carrier: each element must be a
-    ``fractions.Fraction`` or an int (not a bool).
-
-    >>> import numpy as np
-    >>> check_value_kind(np.array([Fraction(1, 2), 3], dtype=object), "input")
-    >>> try:
-    ...     check_value_kind(np.array(["a"], dtype=object), "input")
-    ... except TapeError as e:
-    ...     print(str(e).split(";")[0])
-    input: an exact-rational (object) array holds a str element ('a')
-    """
-    dt = getattr(x, "dtype", None)
-    if dt is None and isinstance(x, (complex, list, tuple)):
-        try:
-            dt = np.asarray(x).dtype
-        except (TypeError, ValueError):
-            return  # not an array; whoever converts it reports that
-    if dt is None:
-        return
-    if np.dtype(dt).kind == "c":
-        raise TapeError(f"{where}: {COMPLEX_HINT}")
-    if np.dtype(dt) == R.OBJECT and isinstance(x, np.ndarray):
-        for e in x.flat:
-            if isinstance(e, (bool, np.bool_)) or not isinstance(e, (Fraction, int, np.integer)):
-                raise TapeError(
-                    f"{where}: an exact-rational (object) array holds a {type(e).__name__} element ({e!r:.40}); "
-                    "use fractions.Fraction or int elements"
-                )
 
 
 def _check_trainable(trainable: object, where: str) -> bool:
     if not isinstance(trainable, (bool, np.bool_)):
         raise TypeError(f"{where}: trainable must be a bool, got {type(trainable).__name__} {trainable!r:.40}")
     return bool(trainable)
-
-
-def _as_array(value: ArrayLike) -> Array:
-    if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
-        return value.copy()
-    if isinstance(value, jax.core.Tracer):
-        return value
-    if isinstance(value, jax.Array):
-        # a weakly typed value (jnp.array(1.0)) is stored with its dtype made definite, so a
-        # compiled step sees one signature before and after its first update
-        return jnp.asarray(value, value.dtype) if value.weak_type else value
-    return jnp.asarray(value)
 
 
 class Storage:
@@ -129,7 +66,7 @@ class Storage:
     __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "hooks", "shape", "uid")
 
     def __init__(self, value: ArrayLike) -> None:
-        v = _as_array(value)
+        v = stored(value)
         check_value_kind(v, "Param")
         self.shape: tuple[int, ...] = tuple(v.shape)
         self.dtype: np.dtype = np.dtype(v.dtype)
@@ -243,7 +180,7 @@ class Storage:
         host cell as the mirror and marks the host stale; otherwise the value
         becomes the host cell. The cell update itself is :meth:`write_current_many`.
         """
-        v = _as_array(value)
+        v = stored(value)
         if tuple(v.shape) != self.shape or np.dtype(v.dtype) != self.dtype:
             raise ValueError(
                 f"cannot write a {R.fmt_spec((tuple(v.shape), np.dtype(v.dtype)))} value into a parameter "
@@ -423,112 +360,3 @@ def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | 
                 )
         append(setdefault(id(s), i))
     return out
-
-
-def check_fits_without_x64(x: object, where: str) -> None:
-    """Host integers that JAX would silently wrap to 32 bits when ``jax_enable_x64`` is off are an error."""
-    if jax.dtypes.canonicalize_dtype(np.int64) == np.int64:  # jax_enable_x64 is on
-        return
-    a = x if isinstance(x, (np.ndarray, np.generic)) else None
-    if a is None or a.dtype.kind not in "iu" or a.dtype.itemsize <= 4 or a.size == 0:
-        return
-    info = np.iinfo(np.int32 if a.dtype.kind == "i" else np.uint32)
-    if a.min() < info.min or a.max() > info.max:
-        raise TapeError(
-            f"{where}: {a.dtype} values in [{a.min()}, {a.max()}] do not fit {info.dtype} "
-            f"([{info.min}, {info.max}]), which JAX uses while 64-bit values are off; "
-            'turn them on with jax.config.update("jax_enable_x64", True)'
-        )
-
-
-class RationalFallbackWarning(UserWarning):
-    """Values without a native JAX dtype (exact rationals) are computed on the CPU with NumPy."""
-
-
-class ValuePolicy:
-    """How a value enters a session's tape: kind checks, host conversion, placement, constant operands.
-
-    Mixed into :class:`~tapeflow.Session` (which sets the attributes below), so
-    an input, a Param's value and a Python-number operand all pass one set of
-    rules: no complex values, rationals as Fractions (with one warning per
-    session), host data converted with JAX's dtypes and placed on the session's
-    device, and a number given the dtype of the op's other operands.
-
-    >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> s = tfl.Session()
-    >>> (s.input(jnp.ones(2, jnp.bfloat16)) * 2).dtype
-    dtype(bfloat16)
-    """
-
-    device: jax.Device
-    _default_device: bool
-    _rational_warned: bool
-    _owner: int
-    _constants: dict[tuple[Any, ...], Array]
-
-    def _prepare_value(self, x: ArrayLike, where: str = "Session.input", host: bool = False) -> Array:
-        """Session policy for a value entering the tape; ``leaf`` does the placement itself.
-
-        ``host=True`` (a lazy session's input on the default device) keeps a NumPy
-        array on the host, as a copy in JAX's dtype: the programs that use it take it
-        as an argument, which moves it faster than converting it here.
-        """
-        check_value_kind(x, where)
-        if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
-            self._warn_rational()
-            return x
-        if not isinstance(x, jax.Array):  # host data: convert here so dtypes are JAX's
-            check_fits_without_x64(x, where)
-            if host and self._default_device and type(x) is np.ndarray:
-                return np.array(
-                    x, dtype=jax.dtypes.canonicalize_dtype(x.dtype)
-                )  # a copy: later edits of x do not count
-            # Uncommitted on the default device, like parameter values created with jnp:
-            # kernels then see one placement for every operand and compile once.
-            return jnp.asarray(x) if self._default_device else jax.device_put(x, self.device)
-        return x  # a jax.Array (or tracer): leaf() moves it if needed, keeping sharded arrays as they are
-
-    def _warn_rational(self) -> None:
-        if not self._rational_warned:
-            self._rational_warned = True
-            warnings.warn(
-                f"exact rational values have no native JAX dtype; session {self._owner} computes them on the CPU "
-                f"with NumPy (requested device: {self.device})",
-                RationalFallbackWarning,
-                stacklevel=4,
-            )
-
-    def _constant(self, o: object, ref_dtype: np.dtype | None, opname: str) -> Array:
-        if isinstance(o, complex):
-            raise TapeError(f"{opname}: {COMPLEX_HINT}")
-        if isinstance(o, (bool, int, float)):
-            if ref_dtype is not None and ref_dtype == R.OBJECT:
-                return np.asarray(Fraction(o), dtype=object)
-            dt: np.dtype
-            if isinstance(o, bool):
-                dt = np.dtype(bool)
-            elif ref_dtype is not None and (isinstance(o, int) or R.is_float(ref_dtype)):
-                dt = ref_dtype
-            else:
-                dt = np.dtype(np.float32) if isinstance(o, float) else np.dtype(np.int32)
-            key = (type(o), o, math.copysign(1.0, o), dt)
-            c = self._constants.get(key)
-            if c is None:
-                try:
-                    c = np.asarray(o, dtype=dt)
-                except OverflowError:
-                    raise TapeError(
-                        f"{opname}: the constant {o} does not fit the operand dtype {dt}; cast explicitly "
-                        '(e.g. x.astype("int64")) or turn on 64-bit values: jax.config.update("jax_enable_x64", True)'
-                    ) from None
-                # uncommitted on the default device, so it also mixes with sharded tracers under jit
-                c = jnp.asarray(c) if self._default_device else jax.device_put(c, self.device)
-                if len(self._constants) < 1024:
-                    self._constants[key] = c
-            return c
-        if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
-            return self._prepare_value(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
-        raise TapeError(
-            f"{opname}: operand of type {type(o).__name__} is not supported; "
-            "use a Tensor, a Param, a number or an array"
-        )

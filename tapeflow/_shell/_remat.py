@@ -69,9 +69,10 @@ from .._core._result import TapeError
 from .._core._tape import check_op
 from .._core._typing import Array, PRNGKey, PyTree
 from ._grads import sum_in_leaf_order
-from ._params import Param, Storage, check_fits_without_x64, check_value_kind
-from ._session import Session
+from ._params import Param, Storage
+from ._session import Session, block_session
 from ._tensor import Tensor, session_of
+from ._values import ParamSource, host_operand
 
 __all__ = ["Checkpointed", "checkpoint"]
 
@@ -83,34 +84,27 @@ def _is_handle(x: object) -> bool:
     return isinstance(x, (Tensor, Param))
 
 
-class _BlockSession(Session):
-    """The private session a block runs on: it notes the Param records the block reads.
+class _BlockReads(ParamSource):
+    """Where a block's Param uses read, noting the Param records the block reads.
 
     ``given`` maps storages to the values to record for them (the op's operands);
-    a read of a storage it does not list is noted in ``missing``. Without
+    a read of a storage it does not list is noted in ``unlisted``. Without
     ``given`` (the first run of a signature) every read records the current value.
+    A block's operand is its value even for a view rebuilt by a JAX transformation.
     """
 
-    def __init__(
-        self, device: jax.Device | None, given: dict[Storage, Array] | None, key: PRNGKey | None, grad_enabled: bool
-    ) -> None:
-        super().__init__(device, grad_enabled=grad_enabled, rng_key=key, check_same_thread=False, lazy=False)
-        self.given = given
-        self.reads: dict[Storage, Param] = {}  # the record to use per storage: its first trainable one, else its first
-        self.missing: list[Storage] = []
+    __slots__ = ("records",)
 
-    def _param_value(self, p: Param) -> Array:
+    def __init__(self, given: dict[Storage, Array] | None) -> None:
+        super().__init__(given)
+        self.records: dict[Storage, Param] = {}  # per storage: its first trainable record read, else its first
+
+    def read(self, p: Param) -> Array | None:
         st = p.storage
-        first = self.reads.get(st)
+        first = self.records.get(st)
         if first is None or (p.trainable and not first.trainable):
-            self.reads[st] = p
-        if self.given is not None:
-            v = self.given.get(st)
-            if v is not None:
-                return v
-            if st not in self.missing:
-                self.missing.append(st)
-        return super()._param_value(p)
+            self.records[st] = p
+        return self.lookup(st)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,16 +224,17 @@ class _Core:
         n_in, n_p = len(t.slots), len(t.records)
         given = dict(zip(t.storages, xs[n_in : n_in + n_p]))
         key = xs[n_in + n_p] if t.has_key else None
-        inner = _BlockSession(None, given, key, grad_enabled=True if recompute else t.grad_enabled)
+        reads = _BlockReads(given)
+        inner = block_session(None, reads, key, grad_enabled=True if recompute else t.grad_enabled)
         when = "while recomputed for backward" if recompute else "while its forward was compiled"
         handles = [inner.input(x, requires_grad=recompute and R.is_float(np.dtype(x.dtype))) for x in xs[:n_in]]
         out = self._call_block(t, inner, handles, when)
         outs, treedef = self._outputs(out, inner, when)
-        if inner.missing or treedef != t.outputs or (inner.rng_counter > 0 and not t.has_key):
+        if reads.unlisted or treedef != t.outputs or (inner.rng_counter > 0 and not t.has_key):
             raise TapeError(
                 f"{self.label}: {when}, the block read other Params, returned another structure or drew "
                 f"random numbers where its first call with these operands ({R.describe(t.specs)}) did not "
-                f"({len(inner.missing)} unlisted Param storage(s)). A checkpointed block must do the same on every "
+                f"({len(reads.unlisted)} unlisted Param storage(s)). A checkpointed block must do the same on every "
                 "call with the same operand shapes and static arguments: pass changing choices as static "
                 "(non-Tensor) arguments, or wrap the changed block with tfl.checkpoint again"
             )
@@ -296,7 +291,8 @@ class _Core:
             i = self.by_key.get(key)
             if i is not None:
                 return self.traces[i]
-            inner = _BlockSession(s.device, None, None, grad_enabled=s.grad_enabled)
+            reads = _BlockReads(None)
+            inner = block_session(s.device, reads, None, grad_enabled=s.grad_enabled)
             t0 = s.tape
             try:
                 ins = [inner.input(v) for v in values]
@@ -309,7 +305,7 @@ class _Core:
                         "closes over, or that session itself; what it recorded there stays on that tape); pass every "
                         "Tensor the block uses as an argument"
                     )
-            records = tuple(inner.reads.values())
+            records = tuple(reads.records.values())
             if bad := [p for p in records if p.dtype == R.OBJECT]:
                 raise TapeError(f"{self.label}: exact rational Params ({bad[0]!r}) are not supported by checkpoint")
             if bad_out := [h for h in outs if h.dtype == R.OBJECT]:
@@ -416,12 +412,9 @@ class Checkpointed:
                 if isinstance(x, Tensor):
                     values.append(s.node(x).value)  # checks the handle
                 else:  # an array operand: a constant leaf, converted as the session converts constants
-                    if not isinstance(x, jax.Array):
-                        if np.dtype(x.dtype) == R.OBJECT:
-                            raise TapeError("exact rational operands are not supported by checkpoint")
-                        check_value_kind(x, core.label)
-                        check_fits_without_x64(x, core.label)
-                        x = jnp.asarray(x)
+                    if not isinstance(x, jax.Array) and np.dtype(x.dtype) == R.OBJECT:
+                        raise TapeError("exact rational operands are not supported by checkpoint")
+                    x = host_operand(x, core.label)
                     inputs[i] = x
                     values.append(x)
         except TapeError as e:

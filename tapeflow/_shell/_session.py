@@ -26,7 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, Self
 
 import jax
 import jax.numpy as jnp
@@ -34,36 +34,34 @@ import numpy as np
 
 from .._core import _registry as R
 from .._core import _treescope
-from .._core._backward import Hook, backward_graph, root_and_seed, run_hooks
+from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as _tape_backward
 from .._core._device import default_device, resolve_device
+from .._core._jvp import jvp_keys
 from .._core._precision import Precision, cast_operands
 from .._core._result import Err, TapeError
-from .._core._tape import PENDING, Node, Tape, append_node, append_op, check_op, fill_pending, leaf
+from .._core._tape import PENDING, Node, Tape, append_node, append_op, check_op, leaf
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
 from ._lazy import LazyGrads, LazyRecording, materialize
-from ._params import COMPLEX_HINT, Param, RationalFallbackWarning, Storage, ValuePolicy
-from ._random import RNG_SEED_RANGE, RandomDraws, rng_int
-from ._state import StateLog, StateWrites
-from ._tensor import Operand, Tensor, check_handle, note_recorded, pop_current, push_current
+from ._params import Param, Storage
+from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
+from ._state import StateLog, check_state_cell
+from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
+from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
 
-__all__ = ["RationalFallbackWarning", "Session"]
+__all__ = ["Mode", "RationalFallbackWarning", "Session", "block_session", "traced_session"]
+
+Mode = Literal["eager", "lazy", "traced"]
+"""How a session records: ``"eager"`` runs each op at once; ``"lazy"`` records now and computes when a value
+is read (``Session(lazy=True)``); ``"traced"`` is the session :func:`~tapeflow.value_and_grad` and
+:func:`~tapeflow.train_step` trace, whose Param uses record the step's parameter values and whose state
+writes are only recorded."""
 
 _BOOL = np.dtype(bool)
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
-
-
-def _read_host_inputs(tape: Tape, ids: Sequence[NodeId]) -> None:
-    """A lazy session keeps NumPy inputs on the host for its programs; read, each becomes a jax.Array like every value.
-
-    ``ids`` are nodes holding NumPy arrays; exact rationals (object arrays) stay as they are.
-    """
-    nodes = tape.nodes
-    ids = [i for i in ids if nodes[i].dtype != R.OBJECT]
-    fill_pending(tape, ids, [jnp.asarray(nodes[i].value) for i in ids])
 
 
 def _next_owner() -> int:
@@ -71,7 +69,7 @@ def _next_owner() -> int:
         return next(_owner_counter)
 
 
-class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
+class Session:
     """An eager recording context: one tape, handles, parameters, RNG and a device.
 
     Parameters
@@ -87,11 +85,6 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         grad, no VJP is compiled, and :meth:`backward` raises.
     show_backend:
         Print the kernel/platform that runs each op the first time it is used.
-    param_values:
-        Values to record for these storages instead of their current values (the
-        functional bridge passes the traced parameter values this way).
-    rng_key:
-        A ``jax.random`` key to derive random tensors from instead of ``seed``.
     check_same_thread:
         True (default): the session and its handles may be used only from the
         thread that created it; another thread gets a :class:`TapeError` (as
@@ -127,40 +120,57 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         grad_enabled: bool = True,
         show_backend: bool = False,
         *,
-        param_values: Mapping[Storage, Array] | None = None,
-        rng_key: PRNGKey | None = None,
         check_same_thread: bool = True,
         compute_dtype: DTypeLike | None = None,
         lazy: bool = False,
     ) -> None:
+        self._setup(
+            resolve_device(device) if device is not None else default_device(),
+            rng_int("seed", seed, RNG_SEED_RANGE, "Session"),
+            grad_enabled=grad_enabled,
+            show_backend=show_backend,
+            check_same_thread=check_same_thread,
+            compute_dtype=compute_dtype,
+            mode="lazy" if lazy else "eager",
+        )
+
+    def _setup(
+        self,
+        device: jax.Device,
+        seed: int,
+        *,
+        grad_enabled: bool,
+        show_backend: bool,
+        check_same_thread: bool,
+        compute_dtype: DTypeLike | None,
+        mode: Mode,
+        key: PRNGKey | None = None,
+        params: ParamSource | None = None,
+    ) -> None:
+        """Every field of a session; the public constructor and the private factories below all end here."""
         self._thread: int | None = threading.get_ident() if check_same_thread else None
-        self.device: jax.Device = resolve_device(device) if device is not None else default_device()
-        self._seed = rng_int("seed", seed, RNG_SEED_RANGE, "Session")
+        self.device: jax.Device = device
         self.grad_enabled = bool(grad_enabled)
         self.show_backend = bool(show_backend)
+        self._mode: Mode = mode
         self._owner = _next_owner()
         self._ref = weakref.ref(self)
         self._generation = 0
-        self._rng_counter = 0
-        self._no_grad = 0
-        self._hooks: dict[NodeId, list[Hook]] = {}
         self._tape = Tape.empty(self.device)
         self._params_by_leaf: dict[NodeId, ParameterRecord] = {}
         self._storage_by_leaf: dict[NodeId, Storage] = {}
         self.selected_backends: list[tuple[str, str]] = []
         self._backend_seen: set[str] = set()
-        self._rational_warned = False
         self._tokens: list[contextvars.Token[Session | None]] = []
-        self._param_values: dict[Storage, Array] | None = None if param_values is None else dict(param_values)
-        self._unlisted: list[Storage] = []
-        self._base_key: PRNGKey | None = rng_key
-        self._default_device = self.device == default_device()
-        self._constants: dict[tuple[Any, ...], Array] = {}
         self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
+        # the parts: how values enter, where Param uses read, the random stream, state writes, grad controls
+        self._values = ValuePolicy(self.device, self._owner)
+        self._param_source = params  # None: every use records its storage's value (the fast path in apply)
+        self._rng = RandomStream(seed, key)
         self._state_log = StateLog()  # assign_state's writes in this recording
-        self._lazy = LazyRecording() if lazy else None  # a lazy recording
-        # a use of a Param records its storage's value as it is (no overrides, no subclass reading it differently)
-        self._direct_params = param_values is None and type(self)._param_value is Session._param_value
+        self._grad = GradControls()
+        self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
+        self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -191,18 +201,42 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
 
     @property
     def unlisted_storages(self) -> tuple[Storage, ...]:
-        """Storages a recording read at their current value because ``param_values`` did not list them.
+        """Storages a traced recording read at their current value because the step's values did not list them.
 
         The compiled training step passes these as runtime arguments from its next
         call on, so a frozen table or another optimizer's parameter is never baked
-        into a program as a constant.
+        into a program as a constant. Empty for a session that is not traced.
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session().unlisted_storages
+        ()
         """
-        return tuple(self._unlisted)
+        src = self._param_source
+        return tuple(src.unlisted) if src is not None else ()
 
     @property
     def lazy(self) -> bool:
-        """Whether this session records lazily (``Session(lazy=True)``)."""
-        return self._lazy is not None
+        """Whether this session records lazily (``Session(lazy=True)``).
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session(lazy=True).lazy, tfl.Session().lazy
+        (True, False)
+        """
+        return self._mode == "lazy"
+
+    @property
+    def mode(self) -> Mode:
+        """How this session records: ``"eager"``, ``"lazy"`` or ``"traced"`` (see :data:`Mode`).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> tfl.Session().mode, tfl.Session(lazy=True).mode
+        ('eager', 'lazy')
+        >>> modes = []
+        >>> _ = tfl.value_and_grad(lambda s: modes.append(s.mode) or tfl.sum(s.input(jnp.ones(2))))({})
+        >>> modes
+        ['traced']
+        """
+        return self._mode
 
     @property
     def tape(self) -> Tape:
@@ -236,17 +270,17 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         >>> y.value.tolist(), z.value.tolist()
         ([2.0, 2.0], [3.0, 3.0])
         """
-        if self._lazy is not None:
+        if self._mode == "lazy":
             self.check_thread()
             t = self._tape
             materialize(self._lazy, t)
-            _read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
+            read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
 
     def __repr__(self) -> str:
         kind = "" if self.grad_enabled else ", inference"
         return (
             f"Session(owner={self._owner}, generation={self._generation}, nodes={len(self._tape)}, "
-            f"device={self.device}, rng_counter={self._rng_counter}{kind})"
+            f"device={self.device}, rng_counter={self._rng.counter}{kind})"
         )
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
@@ -309,17 +343,17 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         nd = self._tape[h.id]
         v = nd.value
         if v is PENDING:
-            materialize(self._lazy, self._tape)  # type: ignore[arg-type]  # only a lazy session has pending nodes
+            materialize(self._lazy, self._tape)  # only a lazy session has pending nodes
         elif type(v) is np.ndarray:
-            _read_host_inputs(self._tape, (h.id,))
+            read_host_inputs(self._tape, (h.id,))
         return nd
 
     # -- leaves ----------------------------------------------------------------
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
         self.check_thread()
-        lz = self._lazy
-        if lz is not None:
+        if self._mode == "lazy":
+            lz = self._lazy
             n = len(t)
             if n < len(lz.keys):
                 lz.truncate(n)  # a failed backward put an older tape back
@@ -329,7 +363,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         note_recorded(self._ref)
 
     def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
-        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled and not self._no_grad)
+        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled and not self._grad.depth)
         self._commit(t)
         return self._handle(i)
 
@@ -337,10 +371,10 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
         if isinstance(x, Tensor):
             x = self.node(x).value
-        v = self._prepare_value(x, host=self._lazy is not None)
+        v = self._values.prepare(x, host=self._mode == "lazy")
         if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
             dt = np.dtype(v.dtype)
-            rg = requires_grad and self.grad_enabled and not self._no_grad and R.is_float(dt)
+            rg = requires_grad and self.grad_enabled and not self._grad.depth and R.is_float(dt)
             t, i = append_node(self._tape, Node(None, (), (), v, rg, v.shape, dt))
             self._commit(t)
             return self._handle(i)
@@ -355,17 +389,16 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         return self._commit_leaf(self.node(h).value, False)
 
     def _param_value(self, p: Param) -> Array:
+        src = self._param_source
+        if src is not None:
+            v = src.read(p)
+            if v is not None:
+                return v
         if p.bound:  # a view rebuilt by a JAX transformation carries its own value
             return p.value
         st = p.storage
-        if self._param_values is not None:
-            v = self._param_values.get(st)
-            if v is not None:
-                return v
-            if st not in self._unlisted:
-                self._unlisted.append(st)
         if st.dtype == R.OBJECT:
-            self._warn_rational()
+            self._values.warn_rational()
         return st.read(self.device)
 
     def use(self, p: Param) -> Tensor:
@@ -436,7 +469,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                         if isinstance(x, (Tensor, Param)) and x.dtype != _BOOL:
                             ref_dtype = x.dtype
                             break
-                v = self._constant(o, ref_dtype, opname)
+                v = self._values.constant(o, ref_dtype, opname)
                 plan.append(v)
                 specs.append((tuple(v.shape), np.dtype(v.dtype)))
         casts = self.precision.targets(opname, specs) if self.precision is not None else None
@@ -445,7 +478,7 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
-        lazy = self._lazy is not None
+        lazy = self._mode == "lazy" and not self._eagerly
         if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
             lazy = False
             self.materialize()
@@ -453,13 +486,15 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         t = self._tape
         ids: list[NodeId] = []
         new_params: list[tuple[NodeId, Param]] = []
-        tracked = self.grad_enabled and not self._no_grad
+        grad_on = not self._grad.depth
+        tracked = self.grad_enabled and grad_on
+        direct = self._param_source is None
         for p in plan:
             if type(p) is int:
                 ids.append(p)
             elif isinstance(p, Param):
                 st = p.storage
-                if self._direct_params and not p.bound and st.dtype is not R.OBJECT:
+                if direct and not p.bound and st.dtype is not R.OBJECT:
                     # the storage's value on this device: placed already, so the leaf is made directly
                     rg = p.trainable and tracked and R.is_float(st.dtype)
                     t, i = append_node(t, Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype))
@@ -471,8 +506,8 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
                 t, i = leaf(t, p, requires_grad=False)
                 ids.append(i)
         if casts is not None:
-            t, ids = cast_operands(t, ids, casts, not self._no_grad, lazy)
-        t, r = append_op(t, opname, entry, tuple(ids), None, not self._no_grad, lazy)
+            t, ids = cast_operands(t, ids, casts, grad_on, lazy)
+        t, r = append_op(t, opname, entry, tuple(ids), None, grad_on, lazy)
         if isinstance(r, Err):
             raise TapeError(r.error)
         self._commit(t)
@@ -546,29 +581,26 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
         ids += [h.id for h in wrt]
         hooks: dict[NodeId, list[Any]] = {
-            i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._hooks.items() if fns
+            i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._grad.hooks.items() if fns
         }
-        lazy = self._lazy is not None and not (create_graph or hooks or self._lazy.exact)
+        lazy = self._mode == "lazy" and not (create_graph or hooks or self._lazy.exact)
         if not lazy:
             self.materialize()  # the sweep below reads every value
         by_leaf: dict[NodeId, Any] | LazyGrads
         try:
             if lazy:  # computed on first read, or fused into the optimizer step that consumes them
                 checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
-                by_leaf = LazyGrads(self._lazy, old, loss.id, None if seed is None else checked, ids)  # type: ignore[arg-type]
+                by_leaf = LazyGrads(self._lazy, old, loss.id, None if seed is None else checked, ids)
                 by_leaf.check()
             elif create_graph:
-                lz, self._lazy = self._lazy, None  # recorded eagerly: the sweep and the hooks read values
-                try:
+                with self._recording_eagerly():  # the sweep and the hooks read values
                     t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
-                finally:
-                    self._lazy = lz
                 self._commit(t)
                 by_leaf = {i: self._handle(j) for i, j in by_id.items()}
             else:
                 by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
             grads = Grads(by_leaf, self.parameter_groups(), self._owner, self._generation)
-            self._attach_state_log(grads)
+            self._state_log.attach(grads)
             for group in grads.groups:
                 if group.storage is not None and group.storage.hooks:
                     g = grads.group_gradient(group)
@@ -592,8 +624,264 @@ class Session(ValuePolicy, RandomDraws, StateWrites, GradControls):
         self._tape = Tape.empty(self.device)
         self._params_by_leaf = {}
         self._storage_by_leaf = {}
-        self._hooks = {}
+        self._grad.clear()
         self._state_log = StateLog()
-        if self._lazy is not None:
+        if self._mode == "lazy":
             self._lazy = LazyRecording()  # pending values nobody read are dropped with the tape
         self._generation += 1
+
+    # -- random tensors (the session's RandomStream) ---------------------------
+    @property
+    def rng_counter(self) -> int:
+        """Number of random tensors drawn so far (kept across resets).
+
+        >>> import tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> _ = s.normal(2); s.rng_counter
+        1
+        """
+        return self._rng.counter
+
+    @property
+    def seed(self) -> int:
+        """Seed of the session's random tensors (see :meth:`set_rng_state`).
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session(seed=3).seed
+        3
+        """
+        return self._rng.seed
+
+    def set_rng_state(self, seed: int | None = None, counter: int | None = None) -> None:
+        """Set the RNG seed and/or counter, e.g. to continue a restored run.
+
+        >>> import tapeflow as tfl
+        >>> s = tfl.Session(seed=1)
+        >>> a = s.normal((2,)).value
+        >>> s.set_rng_state(seed=1, counter=0)
+        >>> bool((s.normal((2,)).value == a).all())
+        True
+        """
+        self.check_thread()
+        self._rng.set_state(seed, counter)
+
+    def _random(self, method: str, kind: RandomKind, shape: int | tuple[int, ...], dtype: DTypeLike | None) -> Tensor:
+        # every check before the draw: a rejected call advances no counter and records nothing
+        self.check_thread()
+        return self._commit_leaf(self._rng.draw(method, kind, shape, dtype), False)
+
+    def rand_uniform(
+        self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32, low: float = 0.0, high: float = 1.0
+    ) -> Tensor:
+        """Uniform ``[low, high)`` samples (a constant leaf); advances the RNG counter once.
+
+        >>> import tapeflow as tfl
+        >>> u = tfl.Session(seed=0).rand_uniform((3,), low=2.0, high=3.0)
+        >>> u.shape, bool(((u.value >= 2.0) & (u.value < 3.0)).all())
+        ((3,), True)
+        """
+        return self._random("rand_uniform", ("uniform", float(low), float(high)), shape, dtype)
+
+    def normal(self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32) -> Tensor:
+        """Standard normal samples (a constant leaf); advances the RNG counter once.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> tfl.Session(seed=0).normal((2, 3), jnp.bfloat16).dtype
+        dtype(bfloat16)
+        """
+        return self._random("normal", ("normal",), shape, dtype)
+
+    def bernoulli_mask(self, shape: int | tuple[int, ...], keep_prob: float) -> Tensor:
+        """Boolean mask, True with probability ``keep_prob``; advances the RNG counter once.
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session(seed=0).bernoulli_mask(4, 1.0).value.tolist()
+        [True, True, True, True]
+        """
+        if not 0.0 <= float(keep_prob) <= 1.0:
+            raise TapeError(f"bernoulli_mask: keep_prob must be in [0, 1], got {keep_prob}")
+        return self._random("bernoulli_mask", ("bernoulli", float(keep_prob)), shape, None)
+
+    def random_key(self) -> PRNGKey:
+        """A fresh ``jax.random`` key derived from (seed, counter); advances the counter once.
+
+        >>> import tapeflow as tfl
+        >>> s = tfl.Session(seed=0)
+        >>> bool((s.random_key() != s.random_key()).any()), s.rng_counter
+        (True, 2)
+        """
+        self.check_thread()
+        return self._rng.next_key("random_key")
+
+    # -- state cells (the session's StateLog) ----------------------------------
+    @property
+    def state_writes(self) -> Mapping[Storage, Array]:
+        """The state cells this recording assigned, ``storage -> new value``, in first-write order (a copy).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> n = tfl.Param(jnp.zeros(()), trainable=False)
+        >>> with tfl.Session() as s:
+        ...     s.assign_state(n, 2.0)
+        ...     [float(v) for v in s.state_writes.values()]
+        [2.0]
+        """
+        return dict(self._state_log.new)
+
+    def assign_state(self, param: Param, value: Tensor | ArrayLike) -> None:
+        """Set the state cell ``param`` (a non-trainable Param, e.g. a running mean) to ``value``.
+
+        ``value`` (a Tensor of this session, or an array) must have the cell's
+        shape; it is cast to the cell's dtype and is not part of any gradient.
+        An eager (or lazy) session writes the storage now (later uses see the new
+        value); if an :meth:`Optimizer.step <tapeflow.Optimizer.step>` over this
+        recording's gradients fails, the old value is put back. A traced
+        session (inside :func:`~tapeflow.value_and_grad` / :func:`~tapeflow.train_step`)
+        only records it: later uses in the same recording see it, and
+        ``train_step`` installs it with the parameters when the step succeeds.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> mean = tfl.Param(jnp.zeros(2), name="running_mean", trainable=False)
+        >>> with tfl.Session() as s:
+        ...     s.assign_state(mean, s.use(mean) * 0.9 + jnp.array([1.0, 2.0]) * 0.1)
+        >>> [round(v, 2) for v in mean.value.tolist()]
+        [0.1, 0.2]
+        """
+        self.check_thread()
+        cell = check_state_cell(param)
+        v = self.node(value).value if isinstance(value, Tensor) else value
+        traced = self._mode == "traced"
+        new = self._state_log.assign(cell, v, eager=not traced)
+        if traced:
+            src = self._param_source
+            assert src is not None  # a traced session always records the step's values
+            src.write(cell.storage, new)  # later uses in this recording read the new value
+
+    # -- gradient controls (the session's GradControls) ------------------------
+    def register_hook(self, h: Tensor, fn: Hook) -> RemovableHandle:
+        """Call ``fn(cotangent)`` when a backward reaches ``h``; see :meth:`Tensor.register_hook`.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     x = s.input(jnp.ones(2), requires_grad=True)
+        ...     _ = s.register_hook(x, lambda g: g * 3.0)
+        ...     s.backward(tfl.sum(x))[x].tolist()
+        [3.0, 3.0]
+        """
+        check_handle(h, self)
+        return self._grad.register(h.id, fn)
+
+    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Hook | GraphHook:
+        """``fn`` as the sweep calls it: arrays in, checked arrays out; or, recording, ``(tape, id)`` in and out."""
+        nd = self._tape[i]
+        if not graph:
+            return lambda g: run_hooks([fn], g, f"node #{i} ({nd.op or 'leaf'})")
+
+        def call(t: Tape, gid: NodeId) -> tuple[Tape, NodeId]:
+            self._commit(t)  # the hook records on the tape the sweep has built so far
+            r = run_hooks([fn], self._handle(gid), f"node #{i} ({nd.op or 'leaf'})")
+            if isinstance(r, Tensor):
+                check_handle(r, self)
+                return self._tape, r.id
+            return self._tape, gid
+
+        return call
+
+    @contextlib.contextmanager
+    def no_grad(self) -> Iterator[Self]:
+        """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> with tfl.Session() as s:
+        ...     w = s.input(jnp.ones(2), requires_grad=True)
+        ...     with s.no_grad():
+        ...         frozen = w * 2.0
+        ...     frozen.requires_grad, (w * 2.0).requires_grad
+        (False, True)
+        """
+        self.check_thread()
+        with self._grad.paused():
+            yield self
+
+    @contextlib.contextmanager
+    def _recording_eagerly(self) -> Iterator[None]:
+        """Run every op recorded inside the block at once, even in a lazy session (a recorded backward reads values)."""
+        self._eagerly += 1
+        try:
+            yield
+        finally:
+            self._eagerly -= 1
+
+    def jvp(self, output: Tensor, tangents: Mapping[Tensor | Param, ArrayLike]) -> Array:
+        """The tangent of ``output`` given tangents of live handles and of Params (a Param's reaches all its uses).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s, w = tfl.Session(), tfl.Param(jnp.array([1.0, 2.0]))
+        >>> x = s.input(jnp.array([3.0, 4.0]))
+        >>> float(s.jvp(tfl.sum(x * w), {x: jnp.ones(2), w: jnp.array([1.0, 0.0])}))
+        6.0
+        """
+        for k in (output, *tangents):
+            if isinstance(k, Tensor):
+                check_handle(k, self)
+            elif not (isinstance(k, Param) and isinstance(output, Tensor)):  # output: a Tensor, keys: also Params
+                raise TypeError(f"Session.jvp takes a Tensor output and Tensor or Param keys, got {type(k).__name__}")
+        self.materialize()  # the tangent sweep reads the forward values
+        return jvp_keys(self._tape, output.id, tangents, self._storage_by_leaf)
+
+
+def traced_session(
+    overrides: Mapping[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
+) -> Session:
+    """The session :func:`~tapeflow.value_and_grad` and :func:`~tapeflow.train_step` trace (mode ``"traced"``).
+
+    A use of a storage in ``overrides`` records its value there (the step's
+    parameter tracers); any other use reads the storage and is listed in
+    :attr:`Session.unlisted_storages`; a state write only records the new value.
+    Random tensors derive from ``key`` (None: seed 0). On JAX's default device.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2))
+    >>> s = traced_session({w.storage: jnp.full(2, 4.0)}, None)
+    >>> s.mode, (s.use(w) * 1.0).value.tolist()
+    ('traced', [4.0, 4.0])
+    """
+    s = Session.__new__(Session)
+    s._setup(
+        default_device(),
+        0,
+        grad_enabled=True,
+        show_backend=False,
+        check_same_thread=True,
+        compute_dtype=compute_dtype,
+        mode="traced",
+        key=key,
+        params=ParamSource(dict(overrides)),
+    )
+    return s
+
+
+def block_session(device: jax.Device | None, params: ParamSource, key: PRNGKey | None, grad_enabled: bool) -> Session:
+    """An eager session whose Param uses read ``params`` first: the private session a checkpointed block runs on.
+
+    Usable from any thread (a block's kernels may run anywhere); random
+    tensors derive from ``key`` (None: seed 0); on ``device`` (None: JAX's default).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2))
+    >>> s = block_session(None, ParamSource({w.storage: jnp.zeros(2)}), None, grad_enabled=True)
+    >>> s.mode, s.use(w).value.tolist()
+    ('eager', [0.0, 0.0])
+    """
+    s = Session.__new__(Session)
+    s._setup(
+        device if device is not None else default_device(),
+        0,
+        grad_enabled=grad_enabled,
+        show_backend=False,
+        check_same_thread=False,
+        compute_dtype=None,
+        mode="eager",
+        key=key,
+        params=params,
+    )
+    return s

@@ -2,7 +2,7 @@
 
 A *state cell* is a non-trainable :class:`~tapeflow.Param` that a forward pass
 updates (a running mean, a batch counter). Layers write it with
-:meth:`Session.assign_state <StateWrites.assign_state>`; what happens depends
+:meth:`Session.assign_state <tapeflow.Session.assign_state>`; what happens depends
 on the session:
 
 * an **eager** session writes the storage at once, as PyTorch updates a
@@ -12,7 +12,7 @@ on the session:
   in the update), the replaced values are put back, so a failed step leaves the
   state cells unchanged exactly like the parameters; once a step over them
   succeeded, the writes are final.
-* a **functional** session (the one :func:`~tapeflow.value_and_grad` and
+* a **traced** session (the one :func:`~tapeflow.value_and_grad` and
   :func:`~tapeflow.train_step` trace) writes nothing: it records the new value
   (later reads in the same recording see it) and lists it in
   ``session.state_writes``. ``train_step`` returns those values from its
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +44,8 @@ from .._core._typing import Array, ArrayLike
 from ._commit import commit
 from ._grads import Grads
 from ._params import Param, Storage
-from ._tensor import Tensor
 
-if TYPE_CHECKING:
-    from .._core._tape import Node
-
-__all__ = ["StateLog", "StateWrites", "mode_reads", "note_mode_read", "state_log_of"]
+__all__ = ["StateLog", "check_state_cell", "mode_reads", "note_mode_read", "state_log_of"]
 
 _LOG_ATTR = "_tapeflow_state_log"
 """The attribute under which a :class:`~tapeflow.Grads` carries the state log of its recording."""
@@ -125,6 +121,59 @@ class StateLog:
         """Make the writes final: a later failure no longer undoes them."""
         self.old.clear()
 
+    def assign(self, param: Param, value: ArrayLike, *, eager: bool) -> Array:
+        """Check ``value`` as the new value of the state cell ``param`` (see :func:`check_state_cell`), cast it, note it.
+
+        The value must have the cell's shape and is cast to its dtype; ``eager``
+        writes the storage now (a traced value cannot be written). Returns the
+        value as noted.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> cell = tfl.Param(jnp.zeros(2, jnp.int32), trainable=False)
+        >>> StateLog().assign(cell, [1.5, 2.5], eager=False).tolist()
+        [1, 2]
+        """
+        st = param.storage
+        if tuple(np.shape(value)) != st.shape:
+            raise TapeError(
+                f"assign_state: {param!r} holds {R.fmt_spec((st.shape, st.dtype))}; the new value has shape "
+                f"{tuple(np.shape(value))}. A state cell keeps its shape"
+            )
+        v = jnp.asarray(value, st.dtype)
+        if eager and isinstance(v, jax.core.Tracer):
+            raise TapeError(
+                f"assign_state: the new value of {param!r} is being traced by JAX (inside tfl.checkpoint or a "
+                "jax transformation of eager session code), so it cannot be written into the storage. Update "
+                "state outside the checkpointed block, or use tfl.train_step / tfl.value_and_grad(has_state=True)"
+            )
+        self.write(st, v, eager=eager)
+        return v
+
+    def attach(self, grads: Grads) -> None:
+        """Let ``grads`` carry this log (when it holds eager writes), so a failed optimizer step can undo them."""
+        if self.old:
+            setattr(grads, _LOG_ATTR, self)
+
+
+def check_state_cell(param: object) -> Param:
+    """``param`` if it may be written as a state cell (a non-trainable Param, not a view), else the error.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> check_state_cell(tfl.Param(jnp.zeros(()), name="w"))
+    Traceback (most recent call last):
+    tapeflow._core._result.TapeError: assign_state: Param('w', float32[], storage=#...) is trainable; ...
+    """
+    if not isinstance(param, Param):
+        raise TypeError(f"assign_state expects a non-trainable tfl.Param, got {type(param).__name__}")
+    if param.bound:
+        raise TypeError(f"assign_state: {param!r} is a read-only view made by a JAX transformation")
+    if param.trainable:
+        raise TapeError(
+            f"assign_state: {param!r} is trainable; its value belongs to the optimizer. State cells "
+            "(running statistics, counters) are Params created with trainable=False"
+        )
+    return param
+
 
 def state_log_of(grads: object) -> StateLog | None:
     """The state log of the recording ``grads`` came from (None: a mapping, or a recording that wrote no state).
@@ -136,80 +185,3 @@ def state_log_of(grads: object) -> StateLog | None:
     """
     log = getattr(grads, _LOG_ATTR, None) if isinstance(grads, Grads) else None
     return log if isinstance(log, StateLog) and log.old else None
-
-
-class StateWrites:
-    """The state side of a :class:`~tapeflow.Session`: :meth:`assign_state` and :attr:`state_writes`.
-
-    Mixed into ``Session``, which provides ``check_thread``, ``node`` and the
-    ``param_values`` overrides (set for the functional sessions of
-    ``value_and_grad`` / ``train_step``; None for an eager session).
-    """
-
-    _param_values: dict[Storage, Array] | None
-    _state_log: StateLog
-
-    def check_thread(self) -> None:  # pragma: no cover - provided by Session
-        raise NotImplementedError
-
-    def node(self, h: Tensor) -> Node:  # pragma: no cover - provided by Session
-        raise NotImplementedError
-
-    @property
-    def state_writes(self) -> Mapping[Storage, Array]:
-        """The state cells this recording assigned, ``storage -> new value``, in first-write order (a copy)."""
-        return dict(self._state_log.new)
-
-    def assign_state(self, param: Param, value: Tensor | ArrayLike) -> None:
-        """Set the state cell ``param`` (a non-trainable Param, e.g. a running mean) to ``value``.
-
-        ``value`` (a Tensor of this session, or an array) must have the cell's
-        shape; it is cast to the cell's dtype and is not part of any gradient.
-        An eager session writes the storage now (later uses see the new value);
-        if an :meth:`Optimizer.step <tapeflow.Optimizer.step>` over this
-        recording's gradients fails, the old value is put back. A functional
-        session (inside :func:`~tapeflow.value_and_grad` / :func:`~tapeflow.train_step`)
-        only records it: later uses in the same recording see it, and
-        ``train_step`` installs it with the parameters when the step succeeds.
-
-        >>> import jax.numpy as jnp, tapeflow as tfl
-        >>> mean = tfl.Param(jnp.zeros(2), name="running_mean", trainable=False)
-        >>> with tfl.Session() as s:
-        ...     s.assign_state(mean, s.use(mean) * 0.9 + jnp.array([1.0, 2.0]) * 0.1)
-        >>> [round(v, 2) for v in mean.value.tolist()]
-        [0.1, 0.2]
-        """
-        self.check_thread()
-        if not isinstance(param, Param):
-            raise TypeError(f"assign_state expects a non-trainable tfl.Param, got {type(param).__name__}")
-        if param.bound:
-            raise TypeError(f"assign_state: {param!r} is a read-only view made by a JAX transformation")
-        if param.trainable:
-            raise TapeError(
-                f"assign_state: {param!r} is trainable; its value belongs to the optimizer. State cells "
-                "(running statistics, counters) are Params created with trainable=False"
-            )
-        v = self.node(value).value if isinstance(value, Tensor) else value
-        st = param.storage
-        if tuple(np.shape(v)) != st.shape:
-            raise TapeError(
-                f"assign_state: {param!r} holds {R.fmt_spec((st.shape, st.dtype))}; the new value has shape "
-                f"{tuple(np.shape(v))}. A state cell keeps its shape"
-            )
-        v = jnp.asarray(v, st.dtype)
-        eager = self._param_values is None
-        if eager and isinstance(v, jax.core.Tracer):
-            raise TapeError(
-                f"assign_state: the new value of {param!r} is being traced by JAX (inside tfl.checkpoint or a "
-                "jax transformation of eager session code), so it cannot be written into the storage. Update "
-                "state outside the checkpointed block, or use tfl.train_step / tfl.value_and_grad(has_state=True)"
-            )
-        if not eager:
-            assert self._param_values is not None
-            self._param_values[st] = v  # later uses in this recording read the new value
-        self._state_log.write(st, v, eager=eager)
-
-    def _attach_state_log(self, grads: Grads) -> None:
-        """Let ``grads`` carry this recording's state log, so a failed optimizer step can undo its writes."""
-        if self._state_log.old:
-            setattr(grads, _LOG_ATTR, self._state_log)

@@ -31,7 +31,7 @@ from .._core._interrupts import deferred_interrupts
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 from .._shell._params import Param, Storage, canonical_indices
-from .._shell._session import Session
+from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
 from .._shell._tensor import Tensor
 from . import _step
@@ -62,12 +62,6 @@ def param_values(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda p: p.value, params, is_leaf=_is_param)
 
 
-def _functional_session(
-    overrides: dict[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
-) -> Session:
-    return Session(device=None, seed=0, param_values=overrides, rng_key=key, compute_dtype=compute_dtype, lazy=False)
-
-
 def _trace_loss(
     loss_fn: LossFn,
     has_aux: bool,
@@ -77,7 +71,7 @@ def _trace_loss(
     kwargs: dict[str, PyTree],
     compute_dtype: DTypeLike | None = None,
 ) -> tuple[Session, Tensor, PyTree]:
-    s = _functional_session(overrides, key, compute_dtype)
+    s = traced_session(overrides, key, compute_dtype)
     with s.as_current():
         out: PyTree = loss_fn(s, *args, **kwargs)
     if has_aux:
