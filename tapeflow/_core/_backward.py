@@ -22,7 +22,7 @@ differentiated again (PyTorch's ``create_graph=True``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeAlias, TypeVar, cast
+from typing import TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from ._result import Err, TapeError
 from ._tape import Node, Tape, leaf, node_id, record
 from ._typing import Array, ArrayLike, AttrValue, NodeId
 
-__all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "root_and_seed", "run_hooks"]
+__all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "root_and_seed", "run_hooks", "zeros_like_spec"]
 
 _add = jax.jit(jnp.add)
 _ONE: dict[np.dtype, np.ndarray] = {}
@@ -42,7 +42,7 @@ _ONE: dict[np.dtype, np.ndarray] = {}
 C = TypeVar("C")
 """A cotangent: an array (:func:`backward`) or the node id holding it (:func:`backward_graph`)."""
 
-Hook: TypeAlias = Callable[[Any], Any]
+Hook: TypeAlias = Callable[[C], "C | None"]
 """``hook(cotangent) -> replacement | None``, called once with a node's complete cotangent."""
 
 GraphHook: TypeAlias = Callable[[Tape, NodeId], "tuple[Tape, NodeId] | None"]
@@ -56,7 +56,7 @@ def add_cotangents(a: Array, b: Array) -> Array:
     return _add(a, b)
 
 
-def run_hooks(hooks: Sequence[Hook], g: C, what: str) -> C:
+def run_hooks(hooks: Sequence[Hook[C]], g: C, what: str) -> C:
     """Pass the cotangent ``g`` of ``what`` through ``hooks`` in order; one returning a value replaces it.
 
     A replacement must have ``g``'s shape and dtype (and be an array when ``g`` is
@@ -81,18 +81,20 @@ def run_hooks(hooks: Sequence[Hook], g: C, what: str) -> C:
                 f"hook {h!r} on {what} returned shape {shape} {dtype}; the cotangent is "
                 f"{tuple(g.shape)} {g.dtype}: return None or an array of that shape and dtype"  # type: ignore[attr-defined]
             )
-        g = cast(C, r)
+        g = r
     return g
 
 
-def _zeros(nd: Node) -> Array:
-    if nd.dtype == R.OBJECT:
+def zeros_like_spec(spec: R.Spec) -> Array:
+    """Zeros of ``spec``'s shape and dtype: exact rational zeros for the object dtype, else a ``jax.Array``."""
+    shape, dtype = spec
+    if dtype == R.OBJECT:
         from fractions import Fraction
 
-        z = np.empty(nd.shape, dtype=object)
+        z = np.empty(shape, dtype=object)
         z[...] = Fraction(0)
         return z
-    return jnp.zeros(nd.shape, nd.dtype)
+    return jnp.zeros(shape, dtype)
 
 
 def root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int, Array]:
@@ -138,7 +140,7 @@ def _sweep(
     want: set[int] | None,
     pull: Callable[[int, Node, C, tuple[bool, ...]], Sequence[C]],
     add: Callable[[C, C], C],
-    hooks: Mapping[NodeId, Sequence[Hook]] | None,
+    hooks: Mapping[NodeId, Sequence[Hook[C]]] | None,
 ) -> dict[NodeId, C]:
     """The one reverse sweep: ``pull(i, node, g, mask)`` gives the masked parents' cotangents, ``add`` sums two.
 
@@ -193,7 +195,7 @@ def backward(
     root: int,
     seed: ArrayLike | None = None,
     wrt: Iterable[NodeId] | None = None,
-    hooks: Mapping[NodeId, Sequence[Hook]] | None = None,
+    hooks: Mapping[NodeId, Sequence[Hook[Array]]] | None = None,
 ) -> dict[NodeId, Array]:
     """Reverse-mode sweep from node ``root``; returns ``{node_id: cotangent}``.
 
@@ -229,7 +231,7 @@ def backward(
     if want is not None:
         for w in want:
             if w not in result:
-                result[w] = _zeros(nodes[w])
+                result[w] = zeros_like_spec(nodes[w].spec)
     return result
 
 
@@ -320,7 +322,7 @@ def backward_graph(
         t, c = _record(t, "add", (a, b))
         return c
 
-    def on_tape(h: GraphHook) -> Hook:
+    def on_tape(h: GraphHook) -> Hook[int]:
         def call(gid: int) -> int | None:
             nonlocal t
             r = h(t, gid)
@@ -335,5 +337,5 @@ def backward_graph(
     result = _sweep(nodes, root, seed_id, want, pull, add, wrapped)
     if want is not None:
         for w in sorted(want - set(result)):
-            t, result[w] = leaf(t, _zeros(nodes[w]))
+            t, result[w] = leaf(t, zeros_like_spec(nodes[w].spec))
     return t, result

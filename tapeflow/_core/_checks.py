@@ -3,14 +3,14 @@
 The checks return None when their input is valid, else a message that names
 the problem and the fix (the registry prefixes the op name and appends the
 operand specs); ``is_*`` and ``broadcasts_to`` are predicates, ``int_tuple``,
-``int_pair`` and ``norm_axes`` normalize attributes.
+``as_int``, ``int_pair``, ``norm_axis`` and ``norm_axes`` normalize attributes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
+from typing import TypeGuard, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +23,17 @@ def is_int(v: object) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def is_number(v: object) -> bool:
+def as_int(v: object) -> int | None:
+    """``v`` as a Python int when it is an integer as :func:`is_int`, else None."""
+    return int(cast(int, v)) if is_int(v) else None
+
+
+def is_number(v: object) -> TypeGuard[int | np.integer | float | np.floating]:
     """Whether ``v`` is a real Python or NumPy number: an int as :func:`is_int` (bools are not), or a float."""
     return is_int(v) or isinstance(v, (float, np.floating))
 
 
-def is_finite_number(v: object) -> bool:
+def is_finite_number(v: object) -> TypeGuard[int | np.integer | float | np.floating]:
     """Whether ``v`` is a number as :func:`is_number` that is neither NaN nor infinite."""
     return is_int(v) or (isinstance(v, (float, np.floating)) and math.isfinite(v))
 
@@ -64,8 +69,8 @@ def is_int_dtype(dt: np.dtype) -> bool:
 
 def int_tuple(v: object) -> tuple[int, ...] | None:
     """``v`` as a tuple of ints (an int is a 1-tuple), or None if it is not one."""
-    if is_int(v):
-        return (int(cast(int, v)),)
+    if (n := as_int(v)) is not None:
+        return (n,)
     if isinstance(v, (tuple, list)) and all(is_int(a) for a in v):
         return tuple(int(a) for a in v)
     return None
@@ -73,8 +78,7 @@ def int_tuple(v: object) -> tuple[int, ...] | None:
 
 def int_pair(v: object) -> tuple[int, int] | None:
     """``v`` as a pair of ints (an int ``n`` is ``(n, n)``; a 2-tuple or 2-list of ints), or None if it is not one."""
-    if is_int(v):
-        n = int(cast(int, v))
+    if (n := as_int(v)) is not None:
         return (n, n)
     if isinstance(v, (tuple, list)) and len(v) == 2 and all(is_int(a) for a in v):
         return (int(v[0]), int(v[1]))
@@ -142,9 +146,18 @@ def _range_error(a: int, ndim: int, of: str) -> str | None:
 
 def axis_error(axis: object, ndim: int, of: str = "an operand") -> str | None:
     """Message if ``axis`` is not a single int naming an axis of rank ``ndim`` (negative counts from the end)."""
-    if not is_int(axis):
+    a = as_int(axis)
+    if a is None:
         return f"attribute axis={axis!r} must be an int"
-    return _range_error(int(cast(int, axis)), ndim, of)
+    return _range_error(a, ndim, of)
+
+
+def norm_axis(axis: object, ndim: int) -> int:
+    """The non-negative axis named by the single int ``axis`` of rank ``ndim`` (``ValueError`` as :func:`axis_error`)."""
+    a = as_int(axis)
+    if a is None or _range_error(a, ndim, "an operand"):
+        raise ValueError(axis_error(axis, ndim))
+    return a % ndim
 
 
 def axes_error(axis: object, ndim: int, *, none_ok: bool = False, of: str = "an operand") -> str | None:

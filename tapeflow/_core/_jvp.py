@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
+from ._backward import zeros_like_spec
 from ._kernels import KernelCache
 from ._result import TapeError
 from ._tape import Node, Tape, node_id
@@ -38,7 +39,7 @@ TangentGroup: TypeAlias = tuple[Sequence[NodeId], ArrayLike, str, R.Spec | None]
 """``(node ids, tangent, what the key is, its (shape, dtype) or None)``: one tangent given to several nodes."""
 
 
-def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Any]:
+def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Array]:
     """Compiled ``(*inputs, *tangents of the masked inputs) -> tangent of the output``, bound to runtime values in ``attrs``.
 
     >>> import numpy as np
@@ -56,7 +57,7 @@ def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool
         fwd, n = d.fwd, len(specs)
         pos = tuple(i for i, m in enumerate(mask) if m)
 
-        def body(*args: Array, **rt: Any) -> Array:
+        def body(*args: Array, **rt: int | float | jax.Array) -> Array:
             xs, ts = args[:n], args[n:]
 
             def f(*dx: Array) -> Array:
@@ -96,10 +97,6 @@ def _tangent(t: ArrayLike, spec: R.Spec, what: str) -> Array:
             f'pass an array of the same shape and dtype, e.g. jnp.asarray(tangent, "{dtype}")'
         )
     return t
-
-
-def _zeros(nd: Node) -> Array:
-    return jnp.zeros(nd.shape, nd.dtype)
 
 
 def jvp(tape: Tape, root: NodeId, tangents: Mapping[NodeId, ArrayLike]) -> Array:
@@ -208,7 +205,7 @@ def _push(nodes: Sequence[Node], root: int, seeds: dict[int, Array]) -> Array:
         return seeds[root]
     seeds = {i: v for i, v in seeds.items() if i < root}
     if not seeds or not R.is_float(rnode.dtype):
-        return _zeros(rnode)
+        return zeros_like_spec(rnode.spec)
     start = min(seeds)
     # nodes start..root that root depends on, and the last of them to read each node
     needed = [False] * (root - start + 1)
@@ -245,4 +242,4 @@ def _push(nodes: Sequence[Node], root: int, seeds: dict[int, Array]) -> Array:
             if last.get(p) == i:
                 tan.pop(p, None)
     out = tan.get(root)
-    return _zeros(rnode) if out is None else out
+    return zeros_like_spec(rnode.spec) if out is None else out

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import islice
-from typing import Any, overload
+from typing import Any, TypeAlias, overload
 
 import numpy as np
 
 from . import _registry as R
 from ._checks import is_int
-from ._typing import Array, Attrs
+from ._typing import Array, Attrs, Shape
 
-__all__ = ["PENDING", "Node", "NodeView"]
+__all__ = ["PENDING", "Node", "NodeMeta", "NodeView"]
+
+NodeMeta: TypeAlias = tuple[str | None, Attrs, tuple[int, ...], bool, Shape, np.dtype]
+"""A node's static part: ``(op, attrs, parents, requires_grad, shape, dtype)``."""
 
 
 class _Pending:
@@ -66,7 +69,7 @@ class Node:
         self.spec: R.Spec = (shape, dtype) if spec is None else spec  # (shape, dtype), the cache-key part
 
     @property
-    def meta(self) -> tuple[Any, ...]:
+    def meta(self) -> NodeMeta:
         """The static part of the node (its share of the tape's pytree structure)."""
         return (self.op, self.attrs, self.parents, self.requires_grad, self.shape, self.dtype)
 

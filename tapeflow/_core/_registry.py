@@ -40,7 +40,7 @@ import functools
 import inspect
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,7 @@ __all__ = [
 Spec = tuple[tuple[int, ...], np.dtype]
 """Shape and dtype of one operand."""
 
-REQUIRED: Any = object()
+REQUIRED: AttrValue = object()
 """Marker for an attribute without a default."""
 
 OBJECT = np.dtype(object)
@@ -138,7 +138,7 @@ class OpDef:
     """
 
     name: str
-    fwd: Callable[..., Any]
+    fwd: Callable[..., Array]
     check: Callable[..., str | None] | None
     arity: tuple[int, int | None]
     defaults: Mapping[str, AttrValue]
@@ -155,7 +155,7 @@ class OpDef:
     precision: OpPrecision = "compute"
     tangent: bool = True
     user: bool = False
-    source: Callable[..., Any] | None = None
+    source: Callable[..., object] | None = None
 
     @property
     def variadic(self) -> bool:
@@ -192,8 +192,8 @@ def op(
     runtime: Sequence[str] = (),
     precision: OpPrecision = "compute",
     tangent: bool = True,
-    user: Callable[..., Any] | None = None,
-) -> Callable[[Callable[..., Any]], OpDef]:
+    user: Callable[..., object] | None = None,
+) -> Callable[[Callable[..., Array]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
     ``arity`` is an exact count or ``(min, max)`` (``max=None``: variadic); when
@@ -212,7 +212,7 @@ def op(
     if precision not in get_args(OpPrecision):
         raise ValueError(f"op {name!r}: precision={precision!r} must be one of {get_args(OpPrecision)}")
 
-    def deco(fwd: Callable[..., Any]) -> OpDef:
+    def deco(fwd: Callable[..., Array]) -> OpDef:
         defaults = dict(attrs or {})
         if bad := sorted(set(runtime) - set(defaults)):
             raise ValueError(f"op {name!r}: runtime={bad} names no attribute (attrs={list(defaults)})")
@@ -249,7 +249,7 @@ def op(
 
 
 def _read_signature(
-    name: str, fwd: Callable[..., Any], attrs: Mapping[str, object]
+    name: str, fwd: Callable[..., object], attrs: Mapping[str, object]
 ) -> tuple[tuple[str, ...], tuple[int, int | None], dict[str, str]]:
     """Operand names, arity and attribute annotations from the forward's signature."""
     P, params = inspect.Parameter, inspect.signature(fwd).parameters.values()
@@ -392,7 +392,7 @@ def attr_key(items: Iterable[tuple[str, object]]) -> KernelKey:
     >>> attr_key({"keepdims": False, "axis": (0, 1)}.items())
     (('axis', ((<class 'int'>, <class 'int'>), (0, 1))), ('keepdims', <class 'bool'>, False))
     """
-    out: list[tuple[Any, ...]] = []
+    out: list[tuple[object, ...]] = []
     for k, v in items:
         t = type(v)
         out.append((k, t, v) if t is not tuple else (k, _typed_tuple(v)))  # type: ignore[arg-type]
@@ -403,7 +403,7 @@ def attr_key(items: Iterable[tuple[str, object]]) -> KernelKey:
 _NESTED = object()  # marks a typed tuple that holds tuples
 
 
-def _typed_tuple(v: tuple[Any, ...]) -> tuple[Any, ...]:
+def _typed_tuple(v: tuple[object, ...]) -> tuple[object, ...]:
     """A flat tuple as ``(element types, v)``; a nested one as ``(_NESTED, typed element, ...)``."""
     ts = tuple(map(type, v))
     if tuple in ts:
@@ -413,8 +413,8 @@ def _typed_tuple(v: tuple[Any, ...]) -> tuple[Any, ...]:
 
 # --------------------------------------------------------------------------- kernels
 
-KernelKey: TypeAlias = tuple[tuple[Any, ...], ...]  # the attributes' part of a kernel-cache key
-RuntimeValues: TypeAlias = dict[str, Any]  # runtime attribute values: traced keyword arguments of a kernel
+KernelKey: TypeAlias = tuple[tuple[object, ...], ...]  # the attributes' part of a kernel-cache key
+RuntimeValues: TypeAlias = dict[str, int | float]  # runtime attribute values: traced keyword arguments of a kernel
 
 
 def kernel_key(
@@ -439,7 +439,7 @@ def kernel_key(
 class FwdEntry:
     """A checked, compiled forward for one cache key; never mutated (not frozen: cheaper to create)."""
 
-    fn: Callable[..., Any]
+    fn: Callable[..., Array]
     shape: tuple[int, ...]
     dtype: np.dtype
     attrs: Attrs
@@ -502,7 +502,7 @@ def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
     jkey = (d.name, kernel_key(d, full_t, rt)[0])  # traced: the values given, not defaults
-    fn: Callable[..., Any] | None = _JIT_FWD.hit(jkey)
+    fn: Callable[..., Array] | None = _JIT_FWD.hit(jkey)
     if fn is None:
         fn = jax.jit(fwd)
         _JIT_FWD.put(jkey, fn)
@@ -534,8 +534,8 @@ def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
     return e
 
 
-def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) -> Callable[..., Any]:
-    def vjp(g: Array, out: Array, *xs: Array, **rt: Any) -> tuple[Array, ...]:
+def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) -> Callable[..., tuple[Array, ...]]:
+    def vjp(g: Array, out: Array, *xs: Array, **rt: int | float | jax.Array) -> tuple[Array, ...]:
         pos = [i for i, m in enumerate(mask) if m]
 
         def f(*dx: Array) -> Array:
@@ -550,7 +550,9 @@ def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) 
     return vjp
 
 
-def get_vjp(name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Any]:
+def get_vjp(
+    name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]
+) -> Callable[..., tuple[Array, ...]]:
     """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs``, bound to runtime values in ``attrs``."""
     d = REGISTRY[name]
     akey, rt = kernel_key(d, attrs) if attrs else ((), {})
@@ -563,7 +565,7 @@ def get_vjp(name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, 
         else:
             user = d.vjp
 
-            def body(g: Array, out: Array, *xs: Array, **rt: Any) -> tuple[Array, ...]:
+            def body(g: Array, out: Array, *xs: Array, **rt: int | float | jax.Array) -> tuple[Array, ...]:
                 cts = user(g, out, *xs, **static, **rt)
                 return tuple(c for c, m in zip(cts, mask) if m)
 

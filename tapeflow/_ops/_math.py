@@ -7,8 +7,8 @@ its VJP (``@<op>.defvjp``) and its check (``check=`` argument). Ops marked
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +31,16 @@ from .._core._typing import Array
 # --------------------------------------------------------------------------- checks
 
 
-def binary_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+def binary_check(specs: tuple[Spec, ...], **_: object) -> str | None:
     """Same dtype and broadcastable shapes."""
     return same_dtype(specs) or broadcast(specs)
 
 
-def binary_float_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+def binary_float_check(specs: tuple[Spec, ...], **_: object) -> str | None:
     return float_operands(specs) or binary_check(specs)
 
 
-def _reduce_check(specs: tuple[Spec, ...], axis: Any = None, keepdims: Any = False) -> str | None:
+def _reduce_check(specs: tuple[Spec, ...], axis: object = None, keepdims: object = False) -> str | None:
     return axes_error(axis, len(specs[0][0]), none_ok=True) or bool_error("keepdims", keepdims)
 
 
@@ -99,7 +99,7 @@ def neg(x: Array) -> Array:
 
 
 @neg.defvjp
-def _neg_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
+def _neg_vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
     return (-g,)
 
 
@@ -146,7 +146,7 @@ def _minimum_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array
     return _select_vjp(g, x, y, x < y, y < x)
 
 
-def _where_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+def _where_check(specs: tuple[Spec, ...], **_: object) -> str | None:
     if specs[0][1] != np.dtype(bool):
         return f"condition #0 must be boolean, got {specs[0][1]}; build it with a comparison such as x > 0"
     return binary_check(specs[1:]) or broadcast(specs)
@@ -168,7 +168,7 @@ def _where_vjp(g: Array, out: Array, cond: Array, x: Array, y: Array) -> tuple[A
 # --------------------------------------------------------------------------- unary math
 
 
-def _unary(name: str, fwd: Any, deriv: Any, doc: str) -> None:
+def _unary(name: str, fwd: Callable[[Array], Array], deriv: Callable[[Array, Array], Array], doc: str) -> None:
     """Register a float unary op whose VJP is ``g * deriv(x, out)``."""
 
     def f(x: Array) -> Array:
@@ -177,7 +177,7 @@ def _unary(name: str, fwd: Any, deriv: Any, doc: str) -> None:
     f.__doc__ = doc
     d = op(name, arity=1, check=float_operands)(f)
 
-    def vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
+    def vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
         return ((g * deriv(x, out)).astype(g.dtype),)
 
     d.defvjp(vjp)
@@ -217,12 +217,12 @@ def relu(x: Array) -> Array:
 
 
 @relu.defvjp
-def _relu_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
+def _relu_vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
     xp = xp_of(g)
     return (xp.where(x > 0, g, 0 * g),)
 
 
-def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str | None:
+def _clamp_check(specs: tuple[Spec, ...], lo: object = None, hi: object = None) -> str | None:
     if err := float_operands(specs):
         return err
     for name, v in (("lo", lo), ("hi", hi)):
@@ -230,7 +230,7 @@ def _clamp_check(specs: tuple[Spec, ...], lo: Any = None, hi: Any = None) -> str
             return f"attribute {name} must be a number or None, got {v!r}"
         if v is not None and v != v:
             return f"attribute {name}={v!r} is NaN; give a number (an infinite bound is allowed) or None for no bound"
-    if lo is not None and hi is not None and lo > hi:
+    if is_number(lo) and is_number(hi) and lo > hi:
         return f"lo={lo} is greater than hi={hi}"
     return None
 
@@ -242,7 +242,9 @@ def clamp(x: Array, lo: float | None, hi: float | None) -> Array:
 
 
 @clamp.defvjp
-def _clamp_vjp(g: Array, out: Array, x: Array, lo: Any, hi: Any) -> tuple[Any]:
+def _clamp_vjp(
+    g: Array, out: Array, x: Array, lo: float | jax.Array | None, hi: float | jax.Array | None
+) -> tuple[Array]:
     inside = jnp.ones(x.shape, bool)
     if lo is not None:
         inside = inside & (x >= lo)
@@ -258,11 +260,11 @@ def stop_gradient(x: Array) -> Array:
 
 
 @stop_gradient.defvjp
-def _stop_gradient_vjp(g: Array, out: Array, x: Array) -> tuple[Any]:
+def _stop_gradient_vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
     return (0 * g,)
 
 
-def _astype_check(specs: tuple[Spec, ...], dtype: Any) -> str | None:
+def _astype_check(specs: tuple[Spec, ...], dtype: object) -> str | None:
     return f"attribute dtype={dtype!r} is not a dtype" if as_dtype(dtype) is None else None
 
 
@@ -273,11 +275,11 @@ def astype(x: Array, dtype: DTypeLike) -> Array:
 
 
 @astype.defvjp
-def _astype_vjp(g: Array, out: Array, x: Array, dtype: Any) -> tuple[Any]:
+def _astype_vjp(g: Array, out: Array, x: Array, dtype: DTypeLike) -> tuple[Array]:
     return (g.astype(x.dtype),)
 
 
-def _cmp(name: str, symbol: str, fn: Any) -> None:
+def _cmp(name: str, symbol: str, fn: Callable[[Array, Array], Array]) -> None:
     def f(x: Array, y: Array) -> Array:
         return fn(x, y)
 
@@ -296,7 +298,7 @@ _cmp("ne", "!=", lambda x, y: x != y)
 # --------------------------------------------------------------------------- reductions
 
 
-def _expand(g: Array, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Array:
+def _expand(g: Array, shape: tuple[int, ...], axis: Axes | None, keepdims: bool) -> Array:
     """Reshape a reduced cotangent so it broadcasts against the input of ``shape``."""
     if keepdims:
         return g
@@ -312,7 +314,7 @@ def sum_(x: Array, axis: Axes | None, keepdims: bool) -> Array:
 
 
 @sum_.defvjp
-def _sum_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
+def _sum_vjp(g: Array, out: Array, x: Array, axis: Axes | None, keepdims: bool) -> tuple[Array]:
     xp = xp_of(g)
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape),)
 
@@ -328,7 +330,7 @@ def mean(x: Array, axis: Axes | None, keepdims: bool) -> Array:
 
 
 @mean.defvjp
-def _mean_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
+def _mean_vjp(g: Array, out: Array, x: Array, axis: Axes | None, keepdims: bool) -> tuple[Array]:
     xp = xp_of(g)
     count = int(np.prod([x.shape[a] for a in norm_axes(axis, x.ndim)], dtype=np.int64))
     return (xp.broadcast_to(_expand(g, x.shape, axis, keepdims), x.shape) / count,)
@@ -341,7 +343,7 @@ def max_(x: Array, axis: Axes | None, keepdims: bool) -> Array:
 
 
 @max_.defvjp
-def _max_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
+def _max_vjp(g: Array, out: Array, x: Array, axis: Axes | None, keepdims: bool) -> tuple[Array]:
     o = _expand(out, x.shape, axis, keepdims)
     gg = _expand(g, x.shape, axis, keepdims)
     hit = (x == o).astype(g.dtype)
@@ -352,7 +354,7 @@ def _max_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple
 # --------------------------------------------------------------------------- matrix products
 
 
-def _matmul_check(specs: tuple[Spec, ...], **_attrs: Any) -> str | None:
+def _matmul_check(specs: tuple[Spec, ...], **_attrs: object) -> str | None:
     (a, _), (b, _) = specs
     if err := same_dtype(specs):
         return err
@@ -396,7 +398,7 @@ def _matmul_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]
     return unbroadcast(gx, x.shape), unbroadcast(gy, y.shape)
 
 
-def _linear_check(specs: tuple[Spec, ...], **_: Any) -> str | None:
+def _linear_check(specs: tuple[Spec, ...], **_: object) -> str | None:
     if err := float_operands(specs) or same_dtype(specs):
         return err
     x, w = specs[0][0], specs[1][0]

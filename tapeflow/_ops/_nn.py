@@ -10,13 +10,13 @@ and ``avg_pool2d`` have no hand-written VJP: the registry derives theirs from
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core._checks import (
+    as_int,
     axes_error,
     bool_error,
     broadcasts_to,
@@ -24,7 +24,6 @@ from .._core._checks import (
     float_check,
     int_pair,
     is_finite_number,
-    is_int,
     is_int_dtype,
     norm_axes,
 )
@@ -34,11 +33,11 @@ from .._core._typing import Array
 # --------------------------------------------------------------------------- shared helpers
 
 
-def _axis_check(specs: tuple[Spec, ...], axis: Any = -1, **_: Any) -> str | None:
+def _axis_check(specs: tuple[Spec, ...], axis: object = -1, **_: object) -> str | None:
     return float_check(specs) or axes_error(axis, len(specs[0][0]), none_ok=True)
 
 
-def _reduction_error(reduction: Any) -> str | None:
+def _reduction_error(reduction: object) -> str | None:
     if reduction not in ("mean", "sum", "none"):
         return f'attribute reduction={reduction!r} must be "mean", "sum" or "none"'
     return None
@@ -80,7 +79,7 @@ def softmax(x: Array, axis: Axes) -> Array:
 
 
 @softmax.defvjp
-def _softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
+def _softmax_vjp(g: Array, out: Array, x: Array, axis: Axes) -> tuple[Array]:
     axes = norm_axes(axis, x.ndim)
     return (out * (g - jnp.sum(g * out, axis=axes, keepdims=True)),)
 
@@ -94,12 +93,12 @@ def log_softmax(x: Array, axis: Axes) -> Array:
 
 
 @log_softmax.defvjp
-def _log_softmax_vjp(g: Array, out: Array, x: Array, axis: Any) -> tuple[Any]:
+def _log_softmax_vjp(g: Array, out: Array, x: Array, axis: Axes) -> tuple[Array]:
     axes = norm_axes(axis, x.ndim)
     return (g - jnp.exp(out) * jnp.sum(g, axis=axes, keepdims=True),)
 
 
-def _logsumexp_check(specs: tuple[Spec, ...], axis: Any, keepdims: Any) -> str | None:
+def _logsumexp_check(specs: tuple[Spec, ...], axis: object, keepdims: object) -> str | None:
     if err := float_check(specs):
         return err
     if err := bool_error("keepdims", keepdims):
@@ -117,7 +116,7 @@ def logsumexp(x: Array, axis: Axes | None, keepdims: bool) -> Array:
 
 
 @logsumexp.defvjp
-def _logsumexp_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) -> tuple[Any]:
+def _logsumexp_vjp(g: Array, out: Array, x: Array, axis: Axes | None, keepdims: bool) -> tuple[Array]:
     axes = norm_axes(axis, x.ndim)
     if not keepdims:
         g = jnp.expand_dims(g, axes)
@@ -128,7 +127,7 @@ def _logsumexp_vjp(g: Array, out: Array, x: Array, axis: Any, keepdims: bool) ->
 # --------------------------------------------------------------------------- layer_norm
 
 
-def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | None:
+def _layer_norm_check(specs: tuple[Spec, ...], axis: object, eps: object) -> str | None:
     if err := float_check(specs):
         return err
     shape = specs[0][0]
@@ -152,7 +151,7 @@ def _layer_norm_check(specs: tuple[Spec, ...], axis: Any, eps: Any) -> str | Non
     return None
 
 
-def _layer_norm_stats(x: Array, axes: tuple[int, ...], eps: float) -> tuple[Array, Array]:
+def _layer_norm_stats(x: Array, axes: tuple[int, ...], eps: float | jax.Array) -> tuple[Array, Array]:
     mu = jnp.mean(x, axis=axes, keepdims=True)
     xc = x - mu
     rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=axes, keepdims=True) + jnp.asarray(eps, x.dtype))
@@ -180,7 +179,7 @@ def layer_norm(x: Array, weight: Array = None, bias: Array = None, *, axis: Axes
 
 @layer_norm.defvjp
 def _layer_norm_vjp(
-    g: Array, out: Array, x: Array, weight: Array = None, bias: Array = None, *, axis: Any, eps: float
+    g: Array, out: Array, x: Array, weight: Array = None, bias: Array = None, *, axis: Axes, eps: float | jax.Array
 ) -> tuple[Array, ...]:
     axes = norm_axes(axis, x.ndim)
     xhat, rstd = _layer_norm_stats(x, axes, eps)
@@ -189,7 +188,7 @@ def _layer_norm_vjp(
         gx_hat - jnp.mean(gx_hat, axis=axes, keepdims=True) - xhat * jnp.mean(gx_hat * xhat, axis=axes, keepdims=True)
     )
     lead = tuple(range(x.ndim - len(axes)))
-    cts: list[Any] = [gx]
+    cts: list[Array] = [gx]
     if weight is not None:
         cts.append(jnp.sum(g * xhat, axis=lead))
     if bias is not None:
@@ -200,7 +199,7 @@ def _layer_norm_vjp(
 # --------------------------------------------------------------------------- losses
 
 
-def _cross_entropy_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
+def _cross_entropy_check(specs: tuple[Spec, ...], reduction: object) -> str | None:
     if err := float_check(specs, (0,)):
         return err
     (ls, _), (ys, ydt) = specs
@@ -243,14 +242,14 @@ def cross_entropy(logits: Array, labels: Array, reduction: Reduction) -> Array:
 
 
 @cross_entropy.defvjp
-def _cross_entropy_vjp(g: Array, out: Array, logits: Array, labels: Array, reduction: str) -> tuple[Any, None]:
+def _cross_entropy_vjp(g: Array, out: Array, logits: Array, labels: Array, reduction: str) -> tuple[Array, None]:
     logp, onehot, valid = _ce_parts(logits, labels)
     gl = _unreduce(g, labels.shape, reduction)
     gl = jnp.where(valid, gl, jnp.asarray(jnp.nan, logits.dtype))
     return gl[..., None] * (jnp.exp(logp) - onehot), None
 
 
-def _mse_check(specs: tuple[Spec, ...], reduction: Any) -> str | None:
+def _mse_check(specs: tuple[Spec, ...], reduction: object) -> str | None:
     if err := float_check(specs):
         return err
     if specs[0][0] != specs[1][0]:
@@ -277,7 +276,7 @@ def _mse_vjp(g: Array, out: Array, pred: Array, target: Array, reduction: str) -
 # --------------------------------------------------------------------------- conv2d
 
 
-def _padding(padding: Any) -> str | tuple[tuple[int, int], tuple[int, int]] | None:
+def _padding(padding: object) -> str | tuple[tuple[int, int], tuple[int, int]] | None:
     """``"SAME"``/``"VALID"``, or ``((top, bottom), (left, right))``; None if malformed."""
     if isinstance(padding, str):
         p = padding.upper()
@@ -285,8 +284,11 @@ def _padding(padding: Any) -> str | tuple[tuple[int, int], tuple[int, int]] | No
     pr = int_pair(padding)
     if pr is not None:
         return ((pr[0], pr[0]), (pr[1], pr[1]))
-    pairs = isinstance(padding, tuple) and len(padding) == 2
-    if pairs and all(isinstance(p, tuple) and int_pair(p) is not None for p in padding):
+    if (
+        isinstance(padding, tuple)
+        and len(padding) == 2
+        and all(isinstance(p, tuple) and int_pair(p) is not None for p in padding)
+    ):
         (a, b), (c, d) = padding
         return ((int(a), int(b)), (int(c), int(d)))
     return None
@@ -303,7 +305,9 @@ def _out_size(n: int, k: int, s: int, d: int, pad: tuple[int, int]) -> int:
     return (n + pad[0] + pad[1] - d * (k - 1) - 1) // s + 1
 
 
-def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: Any, groups: Any) -> str | None:
+def _conv2d_check(
+    specs: tuple[Spec, ...], stride: object, padding: object, dilation: object, groups: object
+) -> str | None:
     if err := float_check(specs):
         return err
     xs, ws = specs[0][0], specs[1][0]
@@ -319,15 +323,16 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
     pad = _padding(padding)
     if pad is None or (not isinstance(pad, str) and min(min(p) for p in pad) < 0):
         return f'attribute padding={padding!r} must be a non-negative int, a pair of them, "SAME" or "VALID"'
-    if not is_int(groups) or groups < 1:
+    ng = as_int(groups)
+    if ng is None or ng < 1:
         return f"attribute groups={groups!r} must be a positive int"
     n, c, h, w = xs
     o, ci, kh, kw = ws
-    if c % groups or o % groups:
+    if c % ng or o % ng:
         return f"groups={groups} must divide both the input channels ({c}) and the output channels ({o})"
-    if ci * groups != c:
+    if ci * ng != c:
         return (
-            f"input has {c} channels but weight expects {ci * groups} (groups={groups}); "
+            f"input has {c} channels but weight expects {ci * ng} (groups={groups}); "
             "weight shape is (O, C/groups, kH, kW)"
         )
     if len(specs) == 3 and specs[2][0] != (o,):
@@ -346,7 +351,7 @@ def _conv2d_check(specs: tuple[Spec, ...], stride: Any, padding: Any, dilation: 
 
 
 def _conv2d_pads(
-    hw: tuple[int, int], khw: tuple[int, int], st: tuple[int, int], dl: tuple[int, int], padding: Any
+    hw: tuple[int, int], khw: tuple[int, int], st: tuple[int, int], dl: tuple[int, int], padding: Padding
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Explicit ``((top, bottom), (left, right))`` padding (``"SAME"``/``"VALID"`` resolved)."""
     pad = _padding(padding)
@@ -393,7 +398,16 @@ def conv2d(
 
 @conv2d.defvjp
 def _conv2d_vjp(
-    g: Array, out: Array, x: Array, w: Array, b: Array = None, *, stride: Any, padding: Any, dilation: Any, groups: int
+    g: Array,
+    out: Array,
+    x: Array,
+    w: Array,
+    b: Array = None,
+    *,
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+    groups: int,
 ) -> tuple[Array, ...]:
     (sh, sw), (dh, dw) = checked_pair(stride), checked_pair(dilation)
     n, c, h, wd = x.shape
@@ -429,13 +443,15 @@ def _conv2d_vjp(
 # --------------------------------------------------------------------------- pooling
 
 
-def _pool_pairs(kernel_size: Any, stride: Any, padding: Any) -> tuple[Array, Array, Array]:
+def _pool_pairs(
+    kernel_size: object, stride: object, padding: object
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None, tuple[int, int] | None]:
     """Kernel size, stride (None = the kernel size) and padding as ``(h, w)`` int pairs; None where malformed."""
     k = int_pair(kernel_size)
     return k, k if stride is None else int_pair(stride), int_pair(padding)
 
 
-def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding: Any) -> str | None:
+def _pool_check(specs: tuple[Spec, ...], kernel_size: object, stride: object, padding: object) -> str | None:
     if err := float_check(specs):
         return err
     xs = specs[0][0]
@@ -456,8 +472,12 @@ def _pool_check(specs: tuple[Spec, ...], kernel_size: Any, stride: Any, padding:
     return None
 
 
-def _window(kernel_size: Any, stride: Any, padding: Any) -> tuple[Array, Array, Array]:
-    k, s, p = _pool_pairs(kernel_size, stride, padding)
+def _window(
+    kernel_size: Pair, stride: Pair | None, padding: Pair
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Window dimensions, strides and paddings of ``reduce_window`` over NCHW, from attributes the check accepted."""
+    k, p = checked_pair(kernel_size), checked_pair(padding)
+    s = k if stride is None else checked_pair(stride)
     return (1, 1) + k, (1, 1) + s, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))
 
 
@@ -492,7 +512,7 @@ def avg_pool2d(x: Array, kernel_size: Pair, stride: Pair | None, padding: Pair) 
 # --------------------------------------------------------------------------- attention
 
 
-def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | None:
+def _attention_check(specs: tuple[Spec, ...], scale: object, causal: object) -> str | None:
     if err := float_check(specs, (0, 1, 2)):
         return err
     q, k, v = (s for s, _ in specs[:3])
@@ -518,7 +538,9 @@ def _attention_check(specs: tuple[Spec, ...], scale: Any, causal: Any) -> str | 
     return bool_error("causal", causal)
 
 
-def _attention_probs(q: Array, k: Array, mask: Array, scale: Any, causal: bool) -> tuple[Array, Array]:
+def _attention_probs(
+    q: Array, k: Array, mask: Array, scale: float | jax.Array | None, causal: bool
+) -> tuple[Array, Array]:
     """Attention weights ``p`` (..., Lq, Lk) and the scale used; fully masked rows get ``p = 0``."""
     sc = jnp.asarray(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)
     s = (q @ jnp.swapaxes(k, -1, -2)) * sc
@@ -565,7 +587,15 @@ def attention(q: Array, k: Array, v: Array, mask: Array = None, *, scale: float 
 
 @attention.defvjp
 def _attention_vjp(
-    g: Array, out: Array, q: Array, k: Array, v: Array, mask: Array = None, *, scale: Any, causal: bool
+    g: Array,
+    out: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array = None,
+    *,
+    scale: float | jax.Array | None,
+    causal: bool,
 ) -> tuple[Array, ...]:
     p, sc = _attention_probs(q, k, mask, scale, causal)
     gv = jnp.swapaxes(p, -1, -2) @ g

@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from types import EllipsisType
+from typing import TypeAlias
 
 import jax.numpy as jnp
 import numpy as np
 
-from .._core._checks import axes_error, axis_error, broadcasts_to, int_tuple, is_int, is_int_dtype, same_dtype
+from .._core._checks import (
+    as_int,
+    axes_error,
+    axis_error,
+    broadcasts_to,
+    int_tuple,
+    is_int,
+    is_int_dtype,
+    norm_axis,
+    same_dtype,
+)
 from .._core._registry import REQUIRED, Axes, ShapeLike, Spec, op, unbroadcast, xp_of
-from .._core._typing import Array
+from .._core._typing import Array, AttrValue
 
 __all__ = ["normalize_index"]
 
@@ -44,7 +55,7 @@ def _int_operand(specs: tuple[Spec, ...], i: int, what: str) -> str | None:
 # --------------------------------------------------------------------------- reshape
 
 
-def _reshape_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
+def _reshape_check(specs: tuple[Spec, ...], shape: object) -> str | None:
     want = int_tuple(shape)
     if want is None:
         return f"attribute shape={shape!r} must be an int or a tuple of ints"
@@ -69,20 +80,20 @@ def reshape(x: Array, shape: ShapeLike) -> Array:
 
 
 @reshape.defvjp
-def _reshape_vjp(g: Array, out: Array, x: Array, shape: Any) -> tuple[Any]:
+def _reshape_vjp(g: Array, out: Array, x: Array, shape: ShapeLike) -> tuple[Array]:
     return (xp_of(g).reshape(g, x.shape),)
 
 
 # --------------------------------------------------------------------------- transpose / permute
 
 
-def _perm(axes: Any, ndim: int) -> tuple[int, ...]:
+def _perm(axes: Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if axes is None:
         return tuple(reversed(range(ndim)))
     return tuple(int(a) % ndim for a in axes)
 
 
-def _perm_check(specs: tuple[Spec, ...], axes: Any) -> str | None:
+def _perm_check(specs: tuple[Spec, ...], axes: object) -> str | None:
     ndim = len(specs[0][0])
     if axes is None:
         return None
@@ -97,17 +108,17 @@ def _perm_check(specs: tuple[Spec, ...], axes: Any) -> str | None:
     return None
 
 
-def _permute_check(specs: tuple[Spec, ...], axes: Any) -> str | None:
+def _permute_check(specs: tuple[Spec, ...], axes: object) -> str | None:
     if axes is None:
         return "permute needs an explicit axes tuple; use the transpose op to reverse all axes"
     return _perm_check(specs, axes)
 
 
-def _transpose(x: Array, axes: Any) -> Array:
+def _transpose(x: Array, axes: Sequence[int] | None) -> Array:
     return xp_of(x).transpose(x, _perm(axes, x.ndim))
 
 
-def _transpose_vjp(g: Array, out: Array, x: Array, axes: Any) -> tuple[Any]:
+def _transpose_vjp(g: Array, out: Array, x: Array, axes: Sequence[int] | None) -> tuple[Array]:
     inv = tuple(int(i) for i in np.argsort(_perm(axes, x.ndim)))
     return (xp_of(g).transpose(g, inv),)
 
@@ -131,7 +142,7 @@ permute.defvjp(_transpose_vjp)
 # --------------------------------------------------------------------------- broadcast_to / expand_dims / squeeze
 
 
-def _broadcast_to_check(specs: tuple[Spec, ...], shape: Any) -> str | None:
+def _broadcast_to_check(specs: tuple[Spec, ...], shape: object) -> str | None:
     want = int_tuple(shape)
     if want is None or any(s < 0 for s in want):
         return f"attribute shape={shape!r} must be an int or a tuple of non-negative ints"
@@ -151,11 +162,11 @@ def broadcast_to(x: Array, shape: ShapeLike) -> Array:
 
 
 @broadcast_to.defvjp
-def _broadcast_to_vjp(g: Array, out: Array, x: Array, shape: Any) -> tuple[Any]:
+def _broadcast_to_vjp(g: Array, out: Array, x: Array, shape: ShapeLike) -> tuple[Array]:
     return (unbroadcast(g, x.shape),)
 
 
-def _expand_dims_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
+def _expand_dims_check(specs: tuple[Spec, ...], axis: object) -> str | None:
     t = int_tuple(axis)
     ndim = len(specs[0][0]) + (len(t) if t is not None else 0)
     if err := axes_error(axis, ndim, of="the result"):
@@ -169,14 +180,14 @@ def expand_dims(x: Array, axis: Axes) -> Array:
     return xp_of(x).expand_dims(x, int_tuple(axis))
 
 
-def _reshape_back_vjp(g: Array, out: Array, x: Array, **_: Any) -> tuple[Any]:
+def _reshape_back_vjp(g: Array, out: Array, x: Array, **_: object) -> tuple[Array]:
     return (xp_of(g).reshape(g, x.shape),)
 
 
 expand_dims.defvjp(_reshape_back_vjp)
 
 
-def _squeeze_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
+def _squeeze_check(specs: tuple[Spec, ...], axis: object) -> str | None:
     if axis is None:
         return None
     shape = specs[0][0]
@@ -203,7 +214,7 @@ squeeze.defvjp(_reshape_back_vjp)
 # --------------------------------------------------------------------------- concat
 
 
-def _concat_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
+def _concat_check(specs: tuple[Spec, ...], axis: object) -> str | None:
     if err := same_dtype(specs):
         return err
     first = specs[0][0]
@@ -211,7 +222,7 @@ def _concat_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
         return "cannot concatenate scalars; give operands rank >= 1 (expand_dims or reshape them)"
     if err := axis_error(axis, len(first)):
         return err
-    ax = axis % len(first)
+    ax = norm_axis(axis, len(first))
     for i, (s, _) in enumerate(specs):
         if len(s) != len(first):
             return f"operand #{i} has rank {len(s)} but operand #0 has rank {len(first)}; all must have the same rank"
@@ -239,11 +250,15 @@ def _concat_vjp(g: Array, out: Array, *xs: Array, axis: int) -> tuple[Array, ...
 # --------------------------------------------------------------------------- basic indexing
 
 
-def _norm_item(v: Array) -> Array:
+IndexItem: TypeAlias = int | EllipsisType | tuple[str, int | None, int | None, int | None] | None
+"""One item of a normalized basic index (:func:`normalize_index`); a slice is ``("slice", start, stop, step)``."""
+
+
+def _norm_item(v: object) -> IndexItem:
     if v is None or v is Ellipsis:
         return v
-    if is_int(v):
-        return int(v)
+    if (n := as_int(v)) is not None:
+        return n
     if isinstance(v, slice):
         v = ("slice", v.start, v.stop, v.step)
     if isinstance(v, tuple) and len(v) == 4 and v[0] == "slice":
@@ -252,7 +267,8 @@ def _norm_item(v: Array) -> Array:
             raise TypeError(f"slice bounds must be ints or None, got {v!r}")
         if parts[2] == 0:
             raise ValueError("slice step cannot be zero")
-        return ("slice",) + tuple(None if p is None else int(p) for p in parts)
+        start, stop, step = (None if p is None else int(p) for p in parts)
+        return ("slice", start, stop, step)
     if isinstance(v, (bool, np.bool_)):
         raise TypeError("boolean indices are not supported; use the where op, or take with integer indices")
     raise TypeError(
@@ -261,7 +277,7 @@ def _norm_item(v: Array) -> Array:
     )
 
 
-def normalize_index(idx: Any) -> tuple[Array, ...]:
+def normalize_index(idx: object) -> tuple[IndexItem, ...]:
     """A hashable form of a basic index, for the ``index`` op's ``index`` attribute.
 
     ``idx`` is an int, a slice, ``None`` (new axis), ``Ellipsis``, or a tuple of
@@ -286,12 +302,12 @@ def normalize_index(idx: Any) -> tuple[Array, ...]:
     return out
 
 
-def to_python_index(idx: tuple[Array, ...]) -> tuple[Array, ...]:
+def to_python_index(idx: object) -> tuple[int | slice | EllipsisType | None, ...]:
     """The inverse of :func:`normalize_index`: ``("slice", a, b, c)`` items back to ``slice(a, b, c)``."""
     return tuple(slice(*v[1:]) if isinstance(v, tuple) else v for v in normalize_index(idx))
 
 
-def _index_check(specs: tuple[Spec, ...], index: Any) -> str | None:
+def _index_check(specs: tuple[Spec, ...], index: object) -> str | None:
     try:
         idx = normalize_index(index)
     except (TypeError, ValueError, IndexError) as e:
@@ -316,14 +332,14 @@ def _index_check(specs: tuple[Spec, ...], index: Any) -> str | None:
             k += v is not None
     axes_items = [(p, v) for p, v in zip(pos, (w for w in idx if w is not Ellipsis))]
     for p, v in axes_items:
-        if is_int(v) and not -shape[p] <= v < shape[p]:
+        if isinstance(v, int) and not -shape[p] <= v < shape[p]:  # normalized: a Python int
             return f"index {v} is out of bounds for axis {p} of size {shape[p]}"
     return None
 
 
 # public=False: x[...] records it
 @op("index", arity=1, attrs={"index": REQUIRED}, exact=True, check=_index_check, public=False, precision="layout")
-def index(x: Array, index: Any) -> Array:
+def index(x: Array, index: AttrValue) -> Array:
     """Basic indexing ``x[index]`` with ints, slices, None and Ellipsis (see :func:`normalize_index`).
 
     record() turns a list attribute into a tuple, so ``index=[0, 1]`` means
@@ -335,7 +351,7 @@ def index(x: Array, index: Any) -> Array:
 
 
 @index.defvjp
-def _index_vjp(g: Array, out: Array, x: Array, index: Any) -> tuple[Any]:
+def _index_vjp(g: Array, out: Array, x: Array, index: AttrValue) -> tuple[Array]:
     idx = to_python_index(index)
     if xp_of(g) is np:
         z = 0 * x
@@ -347,7 +363,7 @@ def _index_vjp(g: Array, out: Array, x: Array, index: Any) -> tuple[Any]:
 # --------------------------------------------------------------------------- take / gather
 
 
-def _take_check(specs: tuple[Spec, ...], axis: Any = 0) -> str | None:
+def _take_check(specs: tuple[Spec, ...], axis: object = 0) -> str | None:
     if err := _int_operand(specs, 1, "indices"):
         return err
     shape = specs[0][0]
@@ -355,7 +371,7 @@ def _take_check(specs: tuple[Spec, ...], axis: Any = 0) -> str | None:
         return "cannot take from a scalar; the operand needs rank >= 1"
     if err := axis_error(axis, len(shape)):
         return err
-    n = shape[axis]
+    n = shape[norm_axis(axis, len(shape))]
     if n == 0 and math.prod(specs[1][0]) > 0:
         return f"cannot take from axis {axis} of size 0"
     return None
@@ -372,7 +388,7 @@ def _take(x: Array, indices: Array, axis: int) -> Array:
     return jnp.take(x, _clip_indices(indices, x.shape[ax]), axis=ax, mode="clip")
 
 
-def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> tuple[Any, None]:
+def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> tuple[Array, None]:
     ax = axis % x.ndim
     where = (slice(None),) * ax + (_clip_indices(indices, x.shape[ax]),)
     return jnp.zeros(x.shape, g.dtype).at[where].add(g), None
@@ -414,7 +430,7 @@ def _scatter_shape(x: tuple[int, ...], idx: tuple[int, ...], axis: int) -> tuple
     return x[:axis] + idx + x[axis + 1 :]
 
 
-def _scatter_add_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
+def _scatter_add_check(specs: tuple[Spec, ...], axis: object) -> str | None:
     if err := _int_operand(specs, 1, "indices"):
         return err
     if err := same_dtype((specs[0], specs[2]), "x (#0) and updates (#2)"):
@@ -424,7 +440,7 @@ def _scatter_add_check(specs: tuple[Spec, ...], axis: Any) -> str | None:
         return "cannot scatter into a scalar; x needs rank >= 1"
     if err := axis_error(axis, len(shape)):
         return err
-    want = _scatter_shape(shape, specs[1][0], axis % len(shape))
+    want = _scatter_shape(shape, specs[1][0], norm_axis(axis, len(shape)))
     upd = specs[2][0]
     if not broadcasts_to(upd, want):
         return (
@@ -453,7 +469,7 @@ def scatter_add(x: Array, indices: Array, updates: Array, axis: int) -> Array:
 @scatter_add.defvjp
 def _scatter_add_vjp(
     g: Array, out: Array, x: Array, indices: Array, updates: Array, axis: int
-) -> tuple[Any, None, Any]:
+) -> tuple[Array, None, Array]:
     ax = axis % x.ndim
     gu = jnp.take(g, indices, axis=ax, mode="fill", fill_value=0)
     return g, None, unbroadcast(gu, updates.shape)

@@ -28,24 +28,24 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias, overload
+from typing import TypeAlias, overload
 
 import jax
 import jax.numpy as jnp
 
 from .._core import _registry as R
 from .._core._result import TapeError
-from .._core._typing import Array, PyTree
+from .._core._typing import Array, Attrs, AttrValue, PyTree
 from ._params import Param
-from ._tensor import Tensor, session_of
+from ._tensor import Operand, Tensor, session_of
 
 __all__ = ["defop", "lift"]
 
 JaxFn: TypeAlias = Callable[..., PyTree]
 """A JAX-traceable function of arrays (positional) and static Python values (keyword)."""
 
-VjpFn: TypeAlias = Callable[..., Any]
-"""``vjp(g, out, *operands, **attrs)``: one cotangent per operand (None for a non-differentiable one)."""
+VjpFn: TypeAlias = Callable[..., object]
+"""``vjp(g, out, *operands, **attrs)``: one cotangent per operand (None for a non-differentiable one); checked on return."""
 
 CheckFn: TypeAlias = Callable[..., "str | None"]
 """``check(specs, **attrs)``: an error message for bad operand shapes/dtypes or attributes, else None."""
@@ -100,7 +100,7 @@ def _same_function(a: object, b: object, depth: int = 0) -> bool:
     return all(_same_value(getattr(a, r, None), getattr(b, r, None), depth) for r in rules)
 
 
-def _register(name: object, source: Callable[..., Any], replace: bool, make: Callable[[str], R.OpDef]) -> R.OpDef:
+def _register(name: object, source: Callable[..., object], replace: bool, make: Callable[[str], R.OpDef]) -> R.OpDef:
     """Register op ``name`` with ``make(name)``, in place of an earlier user registration if allowed.
 
     Built-in names are refused; a taken user name is refused unless ``source`` is
@@ -211,7 +211,7 @@ def _caller(fn: Callable[..., PyTree], lead: list[tuple[str, str, object]] | Non
     if lead is None:
         return lambda xs, kw: fn(*xs, **kw)
 
-    def call(xs: tuple[Array, ...], kw: dict[str, Any]) -> PyTree:
+    def call(xs: tuple[Array, ...], kw: dict[str, object]) -> PyTree:
         kw = dict(kw)
         rest = iter(xs)
         args: list[object] = []
@@ -302,7 +302,7 @@ def lift(
     static_set = frozenset(static)
     multi = False  # set once fn has returned anything but a single array (then outputs are looked up)
 
-    def forward(*xs: Array, output: int = 0, **kw: Any) -> Array:
+    def forward(*xs: Array, output: int = 0, **kw: object) -> Array:
         nonlocal multi
         leaves, treedef = jax.tree_util.tree_flatten(call(xs, kw))
         if not _single(treedef):
@@ -321,7 +321,7 @@ def lift(
     opname = d.name
     structures: dict[object, tuple[jax.tree_util.PyTreeDef, int]] = {}
 
-    def outputs(specs: tuple[R.Spec, ...], attrs: tuple[tuple[str, Any], ...]) -> tuple[jax.tree_util.PyTreeDef, int]:
+    def outputs(specs: tuple[R.Spec, ...], attrs: Attrs) -> tuple[jax.tree_util.PyTreeDef, int]:
         key = (specs, R.attr_key(attrs))
         got = structures.get(key)
         if got is None:
@@ -332,7 +332,7 @@ def lift(
         return got
 
     @functools.wraps(fn, updated=())
-    def lifted(*args: Any, **kwargs: Any) -> PyTree:
+    def lifted(*args: Operand, **kwargs: AttrValue) -> PyTree:
         if kwargs and not static_set.issuperset(kwargs):
             unknown = sorted(set(kwargs) - static_set)
             raise TypeError(
@@ -367,7 +367,7 @@ def _single(treedef: jax.tree_util.PyTreeDef) -> bool:
     return treedef.num_leaves == 1 and treedef.num_nodes == 1
 
 
-def _check_output(specs: tuple[R.Spec, ...], output: object = 0, **kw: Any) -> str | None:
+def _check_output(specs: tuple[R.Spec, ...], output: object = 0, **kw: object) -> str | None:
     if type(output) is not int or output < 0:
         return f"attribute output={output!r} must be a non-negative int (the index of an output leaf)"
     return None
@@ -379,7 +379,7 @@ def _check_output(specs: tuple[R.Spec, ...], output: object = 0, **kw: Any) -> s
 def _checked_vjp(name: str, vjp: VjpFn) -> Callable[..., tuple[Array, ...]]:
     """``vjp`` returning exactly one cotangent per operand, of the operand's shape (None: zeros)."""
 
-    def checked(g: Array, out: Array, *xs: Array, **attrs: Any) -> tuple[Array, ...]:
+    def checked(g: Array, out: Array, *xs: Array, **attrs: AttrValue) -> tuple[Array, ...]:
         cts = vjp(g, out, *xs, **attrs)
         if not isinstance(cts, (tuple, list)):
             if len(xs) != 1:
@@ -463,7 +463,7 @@ def defop(
     fwd = forward
     if doc is not None:
 
-        def fwd(*a: Any, **k: Any) -> Array:
+        def fwd(*a: Array, **k: AttrValue) -> Array:
             return forward(*a, **k)
 
         fwd.__signature__ = sig  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias, cast
+from typing import Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from ._tensor import Tensor
 
 __all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "sum_in_leaf_order"]
 
-ParameterRecord: TypeAlias = Any
+ParameterRecord: TypeAlias = object
 """What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
 
 GradKey: TypeAlias = "Param | Storage | Tensor | NodeId"

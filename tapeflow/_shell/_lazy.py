@@ -35,8 +35,8 @@ which nodes are still pending and what the program returns.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -46,21 +46,29 @@ from .._core._backward import backward as tape_backward
 from .._core._kernels import KernelCache
 from .._core._result import TapeError
 from .._core._tape import PENDING, Tape, fill_pending, with_values
-from .._core._typing import Array, NodeId, OptState
+from .._core._typing import Array, Attrs, NodeId, OptState
 
 __all__ = ["LazyGrads", "LazyRecording", "materialize"]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
-_META_IDS: dict[tuple[Any, ...], int] = {}  # node meta -> small int, so a structure key is a tuple of ints
+NodeKey: TypeAlias = tuple[str | None, Attrs, tuple[int, ...], bool, R.Spec]
+"""What a lazy structure keys a node by: ``(op, attrs, parents, requires_grad, spec)``."""
+
+_META_IDS: dict[NodeKey, int] = {}  # node meta -> small int, so a structure key is a tuple of ints
 _META_LIMIT = 1 << 20
 _intern_lock = threading.Lock()
 
-StepFn = Callable[[list[tuple[Array, ...] | None], list[Array], OptState], Any]
+S = TypeVar("S")
+"""What a step returns (the optimizer's step outcome)."""
+
+F = TypeVar("F", bound=Callable[..., object])
+
+StepFn: TypeAlias = Callable[[list[tuple[Array, ...] | None], list[Array], OptState], S]
 """A step over the slots' cotangents, ``(parts, values, state) -> outcome`` (the optimizer's :func:`tapeflow._train._step.step`)."""
 
 
-def _intern(meta: tuple[Any, ...]) -> int:
+def _intern(meta: NodeKey) -> int:
     i = _META_IDS.get(meta)
     if i is None:
         with _intern_lock:
@@ -129,7 +137,7 @@ def _skeleton(tape: Tape) -> Tape:
     return with_values(tape, [None] * len(tape))
 
 
-def _program(key: tuple[Any, ...], build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+def _program(key: tuple[Hashable, ...], build: Callable[[], F]) -> F:
     fn = _PROGRAMS.hit(key)
     if fn is None:
         fn = build()
@@ -148,7 +156,7 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
         return
     struct = rec.structure(tape)
 
-    def build() -> Callable[..., Any]:
+    def build() -> Callable[[list[Array]], list[Array]]:
         skel, pend = _skeleton(tape), frozenset(pending)
 
         def forward(given: list[Array]) -> list[Array]:
@@ -183,7 +191,7 @@ class LazyGrads:
         self.tape, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
         self.struct = rec.structure(tape)
 
-    def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Any) -> tuple[Any, ...]:
+    def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> tuple[Hashable, ...]:
         seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))
         return (kind, self.struct, pending, self.root, self.ids, seed, *extra)
 
@@ -223,10 +231,10 @@ class LazyGrads:
     def step(
         self,
         slot_leaves: Sequence[tuple[NodeId, ...] | None],
-        step_fn: StepFn,
+        step_fn: StepFn[S],
         values: list[Array],
         state: OptState,
-    ) -> Any:
+    ) -> S:
         """Run the step program: the pending forward, the reverse sweep, then ``step_fn``; returns what it returns.
 
         ``slot_leaves[k]`` are the leaves (in recording order) whose cotangents
@@ -237,10 +245,12 @@ class LazyGrads:
         pending, given = _split(self.tape)
         slots = tuple(slot_leaves)
 
-        def build() -> Callable[..., Any]:
+        def build() -> Callable[[list[Array], Array | None, list[Array], OptState], tuple[S, Array]]:
             skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-            def program(given: list[Array], seed: Array | None, values: list[Array], state: OptState) -> Any:
+            def program(
+                given: list[Array], seed: Array | None, values: list[Array], state: OptState
+            ) -> tuple[S, Array]:
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 return step_fn(parts, values, state), value

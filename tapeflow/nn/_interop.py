@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core._registry import fmt_spec
+from .._core._typing import PyTree
 from .._shell._commit import commit
 from .._shell._params import Param, Storage
 from ._layers import Conv2d, Embedding, LayerNorm, Linear, MultiHeadAttention, Sequential, TiedLinear
@@ -200,7 +201,7 @@ def _rule(m: Module) -> LayerMap:
 
 
 def _resolve(m: Module, path: str) -> Param | None:
-    obj: Any = m
+    obj: object = m
     for part in path.split("."):
         obj = getattr(obj, part, None)
     return obj if isinstance(obj, Param) else None
@@ -288,7 +289,7 @@ def state_dict(module: Module, layout: Framework = "torch") -> dict[str, np.ndar
     return _export(module, layout)
 
 
-def nnx_state(module: Module) -> Any:
+def nnx_state(module: Module) -> PyTree:
     """The module's parameters and state nested by path in Flax NNX's names and layouts, for ``nnx.update``.
 
     An ``nnx.State`` when flax is importable, else the same nested dict; list
@@ -303,7 +304,7 @@ def nnx_state(module: Module) -> Any:
     """
     nested: dict[Any, Any] = {}
     for key, arr in _export(module, "flax").items():
-        parts: list[Any] = [int(p) if p.isdigit() else p for p in key.split(".")]
+        parts: list[int | str] = [int(p) if p.isdigit() else p for p in key.split(".")]
         d = nested
         for p in parts[:-1]:
             d = d.setdefault(p, {})
@@ -424,7 +425,7 @@ def _load(
 
 
 def load_state_dict(
-    module: Module, state_dict: Mapping[str, Any], strict: bool = True, *, layout: Framework = "torch"
+    module: Module, state_dict: Mapping[str, object], strict: bool = True, *, layout: Framework = "torch"
 ) -> IncompatibleKeys:
     """Install a PyTorch-style ``state_dict`` (torch tensors, NumPy or JAX arrays) into ``module``.
 
@@ -496,7 +497,7 @@ def load_state_dict(
     return _load(module, src, layout, strict)
 
 
-def _flatten_nnx(state: Mapping[Any, Any], prefix: str, out: dict[str, tuple[np.ndarray, Hashable]]) -> None:
+def _flatten_nnx(state: Mapping[Any, object], prefix: str, out: dict[str, tuple[np.ndarray, Hashable]]) -> None:
     for k, v in state.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
@@ -510,7 +511,7 @@ def _flatten_nnx(state: Mapping[Any, Any], prefix: str, out: dict[str, tuple[np.
             out[key] = _source(key, v)
 
 
-def load_nnx_state(module: Module, state: Mapping[Any, Any], strict: bool = True) -> IncompatibleKeys:
+def load_nnx_state(module: Module, state: Mapping[Any, object], strict: bool = True) -> IncompatibleKeys:
     """Install a Flax NNX state (``nnx.state(model)``, or a nested dict of arrays) into ``module``.
 
     Paths and layouts map as the table on :func:`load_state_dict` says (``nnx.Linear``'s
