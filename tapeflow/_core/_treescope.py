@@ -37,9 +37,9 @@ Tape(
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from ._registry import fmt_spec
 from ._result import TapeError
@@ -67,6 +67,13 @@ TAPE_LIMIT = 20
 """A tape longer than ``2 * TAPE_LIMIT`` nodes shows its first and last ``TAPE_LIMIT``."""
 
 
+Rendering: TypeAlias = object
+"""A treescope rendering (a ``RenderableAndLineAnnotations``); treescope is optional, so it is not imported for types."""
+
+SubtreeRenderer: TypeAlias = Callable[..., object]
+"""treescope's ``subtree_renderer(value, path=...)`` handed to every ``__treescope_repr__``."""
+
+
 class _Note(str):
     """A child shown as plain (comment-colored) text instead of a rendered value."""
 
@@ -74,7 +81,7 @@ class _Note(str):
 class _Drawn:
     """A child already drawn (a nested tape: drawn directly, without treescope's box for its HTML table)."""
 
-    def __init__(self, rendering: Any) -> None:
+    def __init__(self, rendering: Rendering) -> None:
         self.rendering = rendering
 
 
@@ -137,10 +144,10 @@ def _build(
     obj: object,
     fields: Iterable[tuple[str, object]],
     path: str | None,
-    subtree_renderer: Any,
+    subtree_renderer: SubtreeRenderer,
     color: str | None = None,
     expanded: bool = False,
-) -> Any:
+) -> Rendering:
     """Constructor form ``Type(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it.
 
     A field whose value is a :class:`_Note` is drawn as its text (a fact that is
@@ -189,7 +196,7 @@ def _storage_color(ts: ModuleType, uid: int) -> str:
     return str(ts.formatting_util.color_from_string(f"tapeflow-storage-{uid}"))
 
 
-def render_tape(tape: Tape, path: str | None, subtree_renderer: Any, limit: int = TAPE_LIMIT) -> Any:
+def render_tape(tape: Tape, path: str | None, subtree_renderer: SubtreeRenderer, limit: int = TAPE_LIMIT) -> Rendering:
     """Picture of a tape: its length, device and :func:`node_lines` (see the module example)."""
     ts = _treescope()
     if ts is None:
@@ -202,7 +209,7 @@ def render_tape(tape: Tape, path: str | None, subtree_renderer: Any, limit: int 
     return _build(ts, tape, fields, path, subtree_renderer, expanded=path == "" and len(tape) > 0)
 
 
-def render_session(s: Session, path: str | None, subtree_renderer: Any) -> Any:
+def render_session(s: Session, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
     """Picture of a session: owner, generation, node count, RNG state, device and its tape.
 
     Parameter storages used more than once in the current recording are listed
@@ -250,7 +257,7 @@ def render_session(s: Session, path: str | None, subtree_renderer: Any) -> Any:
     return _build(ts, s, fields, path, subtree_renderer)
 
 
-def render_tensor(h: Tensor, path: str | None, subtree_renderer: Any) -> Any:
+def render_tensor(h: Tensor, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
     """Picture of a handle: shape, dtype, node id, owner and generation; op and value while it is current.
 
     >>> import jax.numpy as jnp, tapeflow as tfl, treescope
@@ -287,7 +294,7 @@ def render_tensor(h: Tensor, path: str | None, subtree_renderer: Any) -> Any:
     return _build(ts, h, fields, path, subtree_renderer)
 
 
-def render_storage(st: Storage, path: str | None, subtree_renderer: Any) -> Any:
+def render_storage(st: Storage, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
     """Picture of a storage: uid, shape, dtype and which cell is current, in the storage's color."""
     ts = _treescope()
     if ts is None:
@@ -301,7 +308,7 @@ def render_storage(st: Storage, path: str | None, subtree_renderer: Any) -> Any:
     return _build(ts, st, fields, path, subtree_renderer, color=_storage_color(ts, st.uid))
 
 
-def render_param(p: Param, path: str | None, subtree_renderer: Any) -> Any:
+def render_param(p: Param, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
     """Picture of a Param: name, shape, dtype, trainable, its storage uid and value, in the storage's color.
 
     Every record of one storage (``tfl.tie``) gets the same color.
@@ -340,7 +347,7 @@ def _holds_parameters(v: object, depth: int = 0) -> bool:
     return False
 
 
-def render_module(m: Module, path: str | None, subtree_renderer: Any) -> Any:
+def render_module(m: Module, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
     """Picture of a module: its attributes (Params, sub-modules, settings), then its parameter count and ties.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl, treescope
