@@ -13,7 +13,9 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -32,16 +34,17 @@ from tapeflow._serialization._checkpoint import (
     StorageEntry,
 )
 
-pytestmark = pytest.mark.usefixtures("lazy_mode")  # every test runs with eager and with lazy sessions
-
 F32 = np.float32
 
-# A restore that aborts an orbax read (damaged array data) can make TensorStore report, from a
-# worker thread, that orbax's event loop is closed, even after the test that caused it has ended.
-# Ignored for every test here (so also under -W error); pyproject.toml ignores it suite-wide.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(?s)Exception ignored.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
-)
+pytestmark = [
+    pytest.mark.usefixtures("lazy_mode"),  # every test runs with eager and with lazy sessions
+    # A restore that aborts an orbax read (damaged array data) can make TensorStore report, from a
+    # worker thread, that orbax's event loop is closed, even after the test that caused it has ended.
+    # Ignored for every test here (so also under -W error); pyproject.toml ignores it suite-wide.
+    pytest.mark.filterwarnings(
+        "ignore:(?s)Exception ignored.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+    ),
+]
 
 
 def _vals(seed: int, shapes=((5, 3), (3,)), dtype=F32):
@@ -107,16 +110,24 @@ def assert_same(a, b):
 def trained(tmp_path_factory):
     """Train the tied model 5 steps and save it; then train 5 more steps for the reference.
 
-    Returns (checkpoint dir, snapshot at save time, snapshot after 10 steps).
+    Returns (checkpoint dir, snapshot at save time, {lazy: snapshot after 10 steps}): the last 5 steps run
+    once per mode, since a lazy session's fused programs need not round like eager kernels.
     """
-    regs, opt, sess = make_model(0)
-    train(regs, opt, sess, range(5))
     base = tmp_path_factory.mktemp("trained") / "ckpt"
-    tfl.save(base, regs, opt, sess)
-    at_save = snapshot(regs, opt, sess)
-    assert at_save[2] == (7, 5)
-    train(regs, opt, sess, range(5, 10))
-    return base, at_save, snapshot(regs, opt, sess)
+    refs = {}
+    for lazy in (False, True):
+        regs, opt, _ = make_model(0)
+        sess = tfl.Session(seed=7, lazy=False)
+        train(regs, opt, sess, range(5))
+        if not refs:
+            tfl.save(base, regs, opt, sess)
+            at_save = snapshot(regs, opt, sess)
+            assert at_save[2] == (7, 5)
+        sess = tfl.Session(seed=7, lazy=lazy)
+        sess.set_rng_state(counter=5)
+        train(regs, opt, sess, range(5, 10))
+        refs[lazy] = snapshot(regs, opt, sess)
+    return base, at_save, refs
 
 
 @pytest.fixture
@@ -132,8 +143,9 @@ def saved(trained, tmp_path):
 
 
 class TestRoundTrip:
-    def test_continues_bit_identically(self, trained):
-        path, _, ref = trained
+    def test_continues_bit_identically(self, trained, lazy_mode):
+        path, _, refs = trained
+        ref = refs[lazy_mode]
         regs2, opt2, sess2 = make_model(99, session_seed=123)  # different initial values and seed
         assert not np.array_equal(np.asarray(regs2[0].value), ref[0][0])
         tfl.restore(path, regs2, opt2, sess2)
@@ -704,3 +716,40 @@ class TestMetadata:
         tfl.restore(path, regs, opt, sess)
         assert seen and all(h is outside for h in seen)
         assert sys.unraisablehook is outside
+
+
+# --------------------------------------------------------------------------- install: thread check and Ctrl-C
+
+
+def test_restore_with_a_session_of_another_thread_changes_nothing(saved):
+    """The session's thread is checked before anything is installed: not Params first, then an error."""
+    path, at_save = saved
+    regs, opt, _ = make_model(1)
+    with ThreadPoolExecutor(1) as pool:
+        foreign = pool.submit(tfl.Session, seed=3).result()  # owned by the worker thread
+    before = snapshot(regs, opt)
+    with pytest.raises(tfl.TapeError, match="created in thread"):
+        tfl.restore(path, regs, opt, session=foreign)
+    assert_same(snapshot(regs, opt), before)
+    assert (foreign.seed, foreign.rng_counter) == (3, 0)
+
+
+def test_ctrl_c_during_restores_install_lands_after_the_whole_install(saved, monkeypatch):
+    """SIGINT raised while the first storage is written is delivered once every Param, the state and the RNG are new."""
+    path, at_save = saved
+    regs, opt, sess = make_model(1, session_seed=99)
+    assert not np.array_equal(np.asarray(regs[0].value), at_save[0][0])
+    writes = []
+    write = tfl.Storage.write
+
+    def interrupted_write(self, value, **kw):
+        if not writes:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, as if pressed between the first and second write
+        writes.append(self)
+        write(self, value, **kw)
+
+    monkeypatch.setattr(tfl.Storage, "write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        tfl.restore(path, regs, opt, sess)
+    assert len(writes) == 2  # emb (tied with out) and b: the interrupt waited for both
+    assert_same(snapshot(regs, opt, sess), at_save)

@@ -288,3 +288,29 @@ def test_figures_match_their_script() -> None:
         assert (images / f"{name}.svg").read_text() == figures.render_svg(text), f"docs/images/{name}.svg is stale"
     assert "W storage" in dots["tied_param"] and dots["tied_param"].count("cotangents summed") == 2
     assert (images / "timeline.svg").is_file()
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_documented_training_loop_draws_a_new_dropout_mask_every_step(page: str, monkeypatch) -> None:
+    """The page's eager loop, with a dropout after each ``tfl.tanh``: a session made once keeps its RNG counter.
+
+    A ``tfl.Session(seed=0)`` opened anew each step would restart the counter and draw the same mask every step.
+    """
+    blocks = _blocks(ROOT / page)
+    loop = next(i for i, b in enumerate(blocks) if "for step in range" in b and "opt.step(s.backward" in b)
+    masks: list[object] = []
+    drop, tanh = tfl.nn.Dropout(0.5), tfl.tanh
+
+    def tanh_then_dropout(x: tfl.Tensor) -> tfl.Tensor:
+        out = drop(tanh(x))
+        masks.append(jax.numpy.asarray(out.value) != 0)
+        return out
+
+    ns: dict[str, object] = {"__name__": "doc_loop"}
+    with jax.enable_x64(False):
+        for i, code in enumerate(blocks[: loop + 1]):
+            if i == loop:
+                monkeypatch.setattr(tfl, "tanh", tanh_then_dropout)
+            exec(compile(code, f"{page}[block {i}]", "exec"), ns)
+    assert len(masks) >= 2
+    assert not any(bool((a == b).all()) for a, b in zip(masks, masks[1:])), f"{page}: a step repeated its mask"

@@ -120,3 +120,103 @@ def test_a_step_run_under_a_jax_transformation_writes_no_tracer(path):
         jax.jit(traced)(jnp.ones(2, jnp.float32))
     assert not isinstance(w.storage.read_current(), jax.core.Tracer)
     _same(before, _snapshot([w], opt))
+
+
+_REFUSED_UNDER_TRACE = (
+    r"traced by JAX.*{where} writes parameters.*nothing was written.*outside the transformation.*value_and_grad"
+)
+
+
+def _steps_eagerly_afterwards(w: tfl.Param, opt: tfl.Optimizer, before) -> None:
+    """A refused traced step left no tracer behind: the next eager step reads and writes real arrays."""
+    _same(before, _snapshot([w], opt))
+    assert not isinstance(w.storage.read_current(), jax.core.Tracer)
+    with tfl.Session() as s:
+        opt.step(s.backward(tfl.sum(w * w)))
+    assert not np.array_equal(np.asarray(w.value), before[0][0])
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_train_step_called_under_grad_or_vmap_is_refused_with_nothing_changed(transform):
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.adam(0.5), [w])
+    step = tfl.train_step(lambda s, x: tfl.sum(w * s.input(x)), opt)
+    before = _snapshot([w], opt)
+    with pytest.raises(tfl.StateWriteError, match=_REFUSED_UNDER_TRACE.format(where="train_step")):
+        if transform == "grad":
+            jax.grad(step)(jnp.ones(2, jnp.float32))
+        else:
+            jax.vmap(step)(jnp.ones((3, 2), jnp.float32))
+    assert step.step_count == 0
+    _steps_eagerly_afterwards(w, opt, before)
+    step(jnp.ones(2, jnp.float32))  # the same TrainStep, called outside the transformation
+    assert step.step_count == 1
+
+
+def test_a_lazy_sessions_step_under_jit_is_refused_with_nothing_changed():
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.adam(0.5), [w])
+    before = _snapshot([w], opt)
+
+    def traced(x):
+        with tfl.Session(lazy=True) as s:
+            opt.step(s.backward(tfl.sum(w * s.input(x))))
+        return x
+
+    with pytest.raises(tfl.StateWriteError, match=_REFUSED_UNDER_TRACE.format(where="Optimizer.step")):
+        jax.jit(traced)(jnp.ones(2, jnp.float32))
+    _steps_eagerly_afterwards(w, opt, before)
+
+
+def test_setting_a_params_value_to_a_tracer_is_refused_with_nothing_changed():
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.adam(0.5), [w])
+    before = _snapshot([w], opt)
+
+    def traced(x):
+        w.value = x
+        return x
+
+    with pytest.raises(tfl.StateWriteError, match=_REFUSED_UNDER_TRACE.format(where="Param.value")):
+        jax.jit(traced)(jnp.ones(2, jnp.float32))
+    _steps_eagerly_afterwards(w, opt, before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 21: TrainStep runs a donating program under jax.grad/vmap before commit refuses the tracers, "
+    "so the donated Params and optimizer state are deleted; the check belongs before the call in _train/_functional.py",
+)
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_a_donating_train_step_called_under_grad_or_vmap_keeps_the_params(transform):
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.adam(0.5), [w])
+    step = tfl.train_step(lambda s, x: tfl.sum(w * s.input(x)), opt, donate=True)
+    before = _snapshot([w], opt)
+    with pytest.raises(tfl.StateWriteError, match=_REFUSED_UNDER_TRACE.format(where="train_step")):
+        if transform == "grad":
+            jax.grad(step)(jnp.ones(2, jnp.float32))
+        else:
+            jax.vmap(step)(jnp.ones((3, 2), jnp.float32))
+    _steps_eagerly_afterwards(w, opt, before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 21: with check_finite=True, _train/_step.refused reads the traced finite flags with np.asarray "
+    "and raises jax's TracerArrayConversionError before commit can refuse the step with a TapeError (the check "
+    "belongs before the finite flags are read)",
+)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_finite_checked_step_under_jit_is_refused_with_a_tape_error(path):
+    w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
+    opt = tfl.Optimizer(optax.adam(0.5), [w], check_finite=True)
+    before = _snapshot([w], opt)
+
+    def traced(x):
+        _run(path, lambda s: tfl.sum(w * s.input(x)), opt)
+        return x
+
+    with pytest.raises(tfl.StateWriteError, match="traced by JAX"):
+        jax.jit(traced)(jnp.ones(2, jnp.float32))
+    _steps_eagerly_afterwards(w, opt, before)

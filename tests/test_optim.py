@@ -675,6 +675,27 @@ def test_two_optimizers_over_disjoint_params_share_one_grads() -> None:
     np.testing.assert_allclose(np.asarray(b.value), [3.0 - 0.25 * 27.0])
 
 
+@pytest.mark.parametrize("order", ["used_first", "unused_first"])
+def test_an_optimizer_none_of_whose_params_were_used_does_nothing_in_either_order(order) -> None:
+    """The used optimizer's step releases the Grads; the other one's step then has nothing to do, not an error."""
+    a = tfl.Param(jnp.array([1.0, 2.0]), name="a")
+    b = tfl.Param(jnp.array([3.0]), name="b")
+    o1 = tfl.Optimizer(optax.adam(0.5), [a])
+    o2 = tfl.Optimizer(optax.adam(0.25), [b])
+    b_state = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(o2.state)]
+    with tfl.Session() as s:
+        g = s.backward(tfl.sum(a * a))  # b is not used
+        for o in (o1, o2) if order == "used_first" else (o2, o1):
+            o.step(g)
+        assert g.released
+        with pytest.raises(tfl.TapeError, match="already released"):
+            o1.step(g)  # a's gradient was consumed: a second step over it is still refused
+    assert not np.array_equal(np.asarray(a.value), [1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(b.value), [3.0])
+    for x, y in zip(b_state, jax.tree_util.tree_leaves(o2.state)):
+        np.testing.assert_array_equal(x, np.asarray(y))  # not even Adam's step count moved
+
+
 # --------------------------------------------------------------------------- per-parameter state parts (tree_map_params)
 
 

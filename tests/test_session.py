@@ -558,3 +558,23 @@ class TestMode:
         assert float(g[x]) == 12.0
         z = x * 2.0  # after the backward, the session records lazily again
         assert s.mode == "lazy" and s.recording[z.id].value is PENDING
+
+
+class TestBackwardWrt:
+    def test_an_input_recorded_without_requires_grad_is_refused_not_zeros(self):
+        """The sweep stops at nodes that need no gradient: ``wrt=[x]`` would read zeros though the loss uses x."""
+        with tfl.Session() as s:
+            x = s.input(jnp.array(3.0))
+            y = x * 2.0  # interior, but computed from no leaf that requires grad
+            z = s.input(jnp.array(2.0), requires_grad=True)
+            h = z * 3.0
+            loss = y * y + h * x
+            n = len(s.tape)
+            with pytest.raises(TapeError, match=r"wrt\[0\].*recorded without requires_grad.*requires_grad=True"):
+                s.backward(loss, wrt=[x])
+            with pytest.raises(TapeError, match=r"wrt\[1\].*depends on no leaf that requires grad"):
+                s.backward(loss, wrt=[h, y])
+            assert len(s.tape) == n
+            # a requires-grad leaf and an interior node computed from one still work
+            g = s.backward(loss, wrt=[z, h])
+            assert (float(g[z]), float(g[h])) == (9.0, 3.0)

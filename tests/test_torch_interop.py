@@ -9,6 +9,8 @@ leave the tapeflow model unchanged.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -298,6 +300,24 @@ def test_shape_and_dtype_errors_change_nothing(torch, bad, message):
     with pytest.raises(ValueError, match=message):
         tfl.nn.load_state_dict(model, sd, strict=False)
     assert _unchanged(model, before)  # layers.0 was fine, and still nothing was installed
+
+
+def test_meta_and_sparse_tensors_are_refused_by_key_with_nothing_loaded(torch):
+    """Neither holds dense data to copy: one ValueError names every such key, not torch's own error."""
+    tmodel, model, _ = _mlp_pair(torch)
+    sd = dict(tmodel.state_dict())
+    sd["layers.0.weight"] = torch.empty(sd["layers.0.weight"].shape, device="meta")
+    sd["layers.1.bias"] = sd["layers.1.bias"].to_sparse()
+    sd["layers.2.weight"] = sd["layers.2.weight"].to_sparse_csr()
+    before = _values(model)
+    with pytest.raises(ValueError) as e:
+        tfl.nn.load_state_dict(model, sd)
+    msg = str(e.value)
+    assert "nothing was changed" in msg
+    assert re.search(r"'layers.0.weight': .*meta device", msg)
+    assert re.search(r"'layers.1.bias': .*sparse_coo.*to_dense\(\)", msg)
+    assert re.search(r"'layers.2.weight': .*sparse_csr.*to_dense\(\)", msg)
+    assert _unchanged(model, before)
 
 
 def test_mha_packed_in_proj_shape_is_checked(torch):

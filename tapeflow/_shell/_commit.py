@@ -76,8 +76,9 @@ def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = N
     if isinstance(value, jax.core.Tracer):
         raise StateWriteError(
             f"{where}: the new value of {what} is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), "
-            "so it cannot be stored: a storage never holds a tracer. Call the step outside the transformation, "
-            "or use tfl.value_and_grad for a pure function that returns new values instead of writing them"
+            f"so it cannot be stored: {where} writes parameters and state, and a storage never holds a tracer; "
+            f"nothing was written. Run {where} outside the transformation, or use tfl.value_and_grad for a pure "
+            "function that returns the new values instead of writing them"
         )
     v: Array | np.ndarray
     if isinstance(value, jax.Array):

@@ -545,7 +545,9 @@ class Session:
 
         * ``wrt``: further handles of this recording, interior nodes included,
           whose cotangents ``grads[h]`` also returns (zeros when ``loss`` does
-          not reach them), like PyTorch's ``retain_grad``.
+          not reach them), like PyTorch's ``retain_grad``. Each must require
+          grad (a leaf recorded with ``requires_grad=True``, or a node computed
+          from one); any other raises :class:`TapeError`.
         * ``create_graph=True``: the backward pass is recorded on this tape, so
           every gradient is a Tensor that can be used in further ops and
           differentiated again (``grads[W]`` of a tied Param is one recorded sum).
@@ -570,10 +572,23 @@ class Session:
             )
         if seed is not None and jnp.iscomplexobj(seed):
             raise TapeError(f"backward: {COMPLEX_HINT}")
-        for h in wrt:
+        for k, h in enumerate(wrt):
             if not isinstance(h, Tensor):
                 raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
             check_handle(h, self)
+            # the sweep stops at nodes that need no gradient: their cotangent would read as zeros
+            nd = self._tape.nodes[h.id]
+            if not nd.requires_grad and nd.op is None:
+                raise TapeError(
+                    f"backward: wrt[{k}] {h!r} was recorded without requires_grad, so the loss has no gradient "
+                    "wrt it (it would read as zeros); record it with s.input(..., requires_grad=True)"
+                )
+            if not nd.requires_grad:
+                raise TapeError(
+                    f"backward: wrt[{k}] {h!r} depends on no leaf that requires grad, so the loss has no gradient "
+                    "wrt it (it would read as zeros); record the inputs it is computed from with "
+                    "s.input(..., requires_grad=True)"
+                )
         # every trainable leaf gets a gradient (zeros when the loss does not reach it)
         old = self._tape
         nodes = old.nodes

@@ -288,15 +288,20 @@ class Optimizer:
         return per_slot, groups
 
     def _slot_groups(self, grads: Grads) -> list[ParameterGroup | None]:
-        """The parameter group of ``grads`` that updates each slot (None: the recording did not use it)."""
-        if grads.released:
-            raise TapeError("Optimizer.step: these gradients were already released; run backward again")
+        """The parameter group of ``grads`` that updates each slot (None: the recording did not use it).
+
+        The groups outlive a release, so an optimizer none of whose Params the
+        recording used finds nothing to do whether it steps before or after the
+        step that released ``grads``.
+        """
         groups: list[ParameterGroup | None] = [None] * len(self._slot_storages)
         for g in grads.groups:
             if g.storage is None:
                 self._refuse_storageless(g)
             elif (k := self._slot_of_storage.get(id(g.storage))) is not None:
                 groups[k] = g
+        if grads.released and any(g is not None for g in groups):
+            raise TapeError("Optimizer.step: these gradients were already released; run backward again")
         return groups
 
     def _refuse_storageless(self, g: ParameterGroup) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -347,6 +347,13 @@ def _source(key: str, v: Any) -> tuple[np.ndarray, Hashable]:
     """A mapping value as ``(NumPy array, identity token)``; torch tensors without importing torch."""
     if type(v).__module__.split(".")[0] == "torch" and hasattr(v, "detach"):
         torch = sys.modules["torch"]
+        if v.is_meta:
+            raise ValueError(
+                f"{key!r}: a torch tensor on the meta device holds a shape but no data; load real weights "
+                "(e.g. torch_model.to_empty(device='cpu') and initialize or load it first)"
+            )
+        if v.layout != torch.strided:
+            raise ValueError(f"{key!r}: a torch {v.layout} tensor is not dense; pass it as tensor.to_dense()")
         token = _token("torch", v.data_ptr(), v)
         t = v.detach().cpu()
         if t.dtype == torch.bfloat16:
@@ -365,6 +372,14 @@ def _source(key: str, v: Any) -> tuple[np.ndarray, Hashable]:
 def _fits(a: np.ndarray, dtype: np.dtype) -> bool:
     info = np.iinfo(dtype)
     return a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max)
+
+
+def _refusal(module: Module, fw: Framework, errors: Sequence[str]) -> ValueError:
+    """The one error of a refused import: every problem, one per line, and that nothing was changed."""
+    return ValueError(
+        f"cannot load the {_FRAMEWORKS[fw]} weights into {type(module).__name__} (nothing was changed):\n  "
+        + "\n  ".join(dict.fromkeys(errors))
+    )
 
 
 def _load(
@@ -415,10 +430,7 @@ def _load(
     if strict and unexpected:
         errors.append(f"unexpected keys: {', '.join(map(repr, unexpected))}")
     if errors:
-        raise ValueError(
-            f"cannot load the {_FRAMEWORKS[fw]} weights into {type(module).__name__} (nothing was changed):\n  "
-            + "\n  ".join(dict.fromkeys(errors))
-        )
+        raise _refusal(module, fw, errors)
     new = [(st, jnp.asarray(np.array(v, dtype=st.dtype))) for st, (v, _, _) in fills.items()]  # copies: no aliasing
     commit(new, where=f"load the {_FRAMEWORKS[fw]} weights into {type(module).__name__}")
     return IncompatibleKeys(missing, unexpected)
@@ -493,7 +505,15 @@ def load_state_dict(
     _check_layout(layout)
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_state_dict expects a mapping of names to arrays, got {type(state_dict).__name__}")
-    src = {str(k): _source(str(k), v) for k, v in state_dict.items()}
+    src: dict[str, tuple[np.ndarray, Hashable]] = {}
+    errors: list[str] = []
+    for k, v in state_dict.items():
+        try:
+            src[str(k)] = _source(str(k), v)
+        except ValueError as e:  # every unreadable key is named, not only the first
+            errors.append(str(e))
+    if errors:
+        raise _refusal(module, layout, errors)
     return _load(module, src, layout, strict)
 
 
