@@ -512,3 +512,35 @@ def test_report_max_differences():
     """Not a check: prints the largest differences measured by the tests above (run with -s)."""
     for k in sorted(MEASURED):
         print(f"{k:40s} abs {MEASURED[k][0]:.3g}  scaled {MEASURED[k][1]:.3g}")
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+@pytest.mark.parametrize("momentum", [0.01, 0.1])
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
+def test_running_stats_under_a_bfloat16_policy_move_in_float32_on_every_path(path, momentum):
+    """State updates compute in the state cell's dtype: in bfloat16, 1.0 + 0.01 * 0.05 rounds back to 1.0."""
+    x = jnp.asarray(1.05 + 0.1 * np.random.default_rng(3).standard_normal((16, C)), jnp.float32)
+    bn = nn.BatchNorm1d(C, momentum=momentum)
+    bn.running_mean.value = jnp.ones(C, jnp.float32)
+    opt = tfl.Optimizer(optax.sgd(0.0), [bn.weight, bn.bias])
+    ref = np.ones(C, F32)
+    batch = np.asarray(x).mean(axis=0, dtype=F32)  # mean is computed in float32 under the policy
+    f = F32(momentum)
+
+    def loss_fn(s):
+        return tfl.sum(bn(s.input(x)))
+
+    step = tfl.train_step(loss_fn, opt, compute_dtype=jnp.bfloat16) if path == "train_step" else None
+    for _ in range(10):
+        if step is not None:
+            step()
+        else:
+            with tfl.Session(lazy=path == "lazy", compute_dtype=jnp.bfloat16) as s:
+                opt.step(s.backward(loss_fn(s)))
+        ref = ref * (F32(1) - f) + batch * f
+    for cell in (bn.running_mean, bn.running_var):
+        assert cell.value.dtype == F32
+    np.testing.assert_allclose(np.asarray(bn.running_mean.value), ref, rtol=0, atol=1e-6)
+    assert int(bn.num_batches_tracked.value) == 10

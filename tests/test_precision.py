@@ -189,7 +189,8 @@ def test_dynamic_loss_scale_skips_overflow_shrinks_and_grows_the_scale():
 def test_each_op_declares_the_dtype_it_computes_in():
     """The policy reads ``OpDef.precision``; these are the ops that do not follow the compute dtype."""
     by = {p: {n for n in tfl.ops() if tfl.REGISTRY[n].precision == p} for p in ("float32", "layout")}
-    assert by["float32"] == {"sum", "mean", "softmax", "log_softmax", "logsumexp", "cross_entropy", "mse", "layer_norm"}
+    losses = {"sum", "mean", "softmax", "log_softmax", "logsumexp", "cross_entropy", "mse", "layer_norm"}
+    assert by["float32"] == losses | {"exp", "log", "pow", "softplus"}  # torch.autocast's float32 list has these
     layout = {"astype", "reshape", "transpose", "permute", "squeeze", "expand_dims", "broadcast_to", "index"}
     assert by["layout"] == layout | {"take", "gather", "stop_gradient", "vjp"}
     p = Precision(jnp.bfloat16)
@@ -197,3 +198,51 @@ def test_each_op_declares_the_dtype_it_computes_in():
     with pytest.raises(ValueError, match="precision='f32' must be one of"):
         R.op("test_precision_bad", precision="f32")  # type: ignore[arg-type]
     assert "test_precision_bad" not in tfl.REGISTRY
+
+
+PATHS = ["eager", "lazy", "train_step"]
+
+
+def _one_step(path, loss_fn, opt, compute_dtype):
+    """One training step of ``loss_fn(session)`` on ``path`` under the policy ``compute_dtype``."""
+    if path == "train_step":
+        return tfl.train_step(lambda s: loss_fn(s), opt, compute_dtype=compute_dtype)()
+    with tfl.Session(lazy=path == "lazy", compute_dtype=compute_dtype) as s:
+        loss = loss_fn(s)
+        opt.step(s.backward(loss))
+        return loss.value
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_scalar_arithmetic_computes_in_float32_so_a_float16_loss_scale_of_2_16_stays_finite(path):
+    """``loss * 2.0**16`` is inf in float16; all-scalar operands compute in float32 on every path."""
+    scale = 2.0**16
+    w = tfl.Param(jnp.asarray(np.linspace(-1, 1, 6, dtype=F32).reshape(3, 2)))
+    tx = optax.apply_if_finite(optax.chain(optax.scale(1.0 / scale), optax.sgd(0.1)), max_consecutive_errors=5)
+    opt = tfl.Optimizer(tx, [w])
+    x = np.full((4, 3), 0.1, F32)
+    before = np.asarray(w.value)
+    scaled = _one_step(path, lambda s: tfl.mean(s.input(x) @ w) * jnp.asarray(scale, jnp.float32), opt, jnp.float16)
+    assert scaled.dtype == F32 and np.isfinite(float(scaled))
+    assert int(opt.state.notfinite_count) == 0  # the finite step was taken
+    g = jax.grad(lambda v: jnp.mean(x @ v))(before)
+    np.testing.assert_allclose(np.asarray(w.value), before - 0.1 * g, atol=1e-3)
+    p = Precision(jnp.float16)
+    f16 = np.dtype(np.float16)
+    assert p.targets("mul", [((), F32), ((), f16)]) == [None, F32]
+    assert p.targets("mul", [((), np.dtype(np.float64)), ((), F32)]) == [None, np.dtype(np.float64)]  # widest
+    assert p.targets("mul", [((3,), F32), ((), F32)]) == [f16, f16]  # not all scalars: the compute dtype
+
+
+@pytest.mark.parametrize("path", ["eager", "lazy"])
+def test_dynamic_loss_scale_grows_past_2_15_under_float16_and_skips_no_finite_step(path):
+    """The documented ``loss * opt.state.scale``: the scale doubles every finite step (period 1) past 2**15."""
+    w = tfl.Param(jnp.asarray(np.linspace(-1, 1, 6, dtype=F32).reshape(3, 2)))
+    opt = tfl.Optimizer(tfl.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**15, period=1), [w])
+    x = np.full((4, 3), 0.1, F32)
+    ref_w = np.asarray(w.value)
+    for _ in range(3):
+        _one_step(path, lambda s: tfl.mean((s.input(x) @ w) ** 2.0) * opt.state.scale, opt, jnp.float16)
+        ref_w = ref_w - 0.1 * np.asarray(jax.grad(lambda v: jnp.mean((x @ v) ** 2))(ref_w))
+        np.testing.assert_allclose(np.asarray(w.value), ref_w, atol=1e-3)
+    assert float(opt.state.scale) == 2.0**18 and int(opt.state.skipped) == 0

@@ -577,3 +577,83 @@ def test_a_collected_wrapper_unregisters_its_op_and_tolerates_one_removed_by_han
     del kept, gone
     gc.collect()
     assert not set(names) & set(tfl.REGISTRY) and not raised
+
+
+# --------------------------------------------------------------------------- mixed precision and state
+
+PATHS = ["eager", "lazy", "train_step"]
+F32 = np.float32
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _f32(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * 0.5, F32)
+
+
+def _step(path, loss_fn, opt, compute_dtype=None):
+    """One training step of ``loss_fn(session)`` on ``path``; returns the loss."""
+    if path == "train_step":
+        return tfl.train_step(lambda s: loss_fn(s), opt, compute_dtype=compute_dtype)()
+    with tfl.Session(lazy=path == "lazy", compute_dtype=compute_dtype) as s:
+        loss = loss_fn(s)
+        opt.step(s.backward(loss))
+        return loss.value
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_block_under_a_compute_dtype_records_and_recomputes_under_the_same_policy(path):
+    results = {}
+    for name in ("plain", "checkpoint"):
+        w, b, v = tfl.Param(_f32((4, 4), 1)), tfl.Param(_f32((4,), 2)), tfl.Param(_f32((4, 3), 3))
+
+        def block(h, w=w, b=b):
+            return h + tfl.tanh(h @ w + b)
+
+        blk = tfl.checkpoint(block) if name == "checkpoint" else block
+        seen = []
+
+        def loss_fn(s, blk=blk, v=v, seen=seen):
+            h = blk(blk(s.input(_f32((5, 4), 4))))
+            seen.append(h.dtype)
+            return tfl.mean(tfl.tanh(h @ v) ** 2.0)
+
+        opt = tfl.Optimizer(optax.sgd(0.5), [w, b, v])
+        loss = _step(path, loss_fn, opt, jnp.bfloat16)
+        assert seen == [BF16] and loss.dtype == F32
+        if name == "checkpoint":
+            assert blk.trace_count == 2  # a float32 input, then the first block's bfloat16 output
+        results[name] = [float(loss)] + [np.asarray(p.value) for p in (w, b, v)]
+        assert all(r.dtype == F32 for r in results[name][1:])  # float32 master weights
+    # the same casts; a compiled block may keep bfloat16 intermediates wider: about one bfloat16 ulp per update
+    np.testing.assert_allclose(results["checkpoint"][0], results["plain"][0], rtol=2e-2)
+    for a, c in zip(results["checkpoint"][1:], results["plain"][1:]):
+        np.testing.assert_allclose(a, c, atol=0.5 * 2e-2)
+
+
+def test_a_block_traces_once_per_policy():
+    w = tfl.Param(_f32((3, 3), 5))
+    ck = tfl.checkpoint(lambda h: tfl.tanh(h @ w))
+    x = _f32((2, 3), 6)
+    dtypes = []
+    for dt in (None, jnp.bfloat16, None, jnp.float16):
+        with tfl.Session(compute_dtype=dt) as s:
+            dtypes.append(ck(s.input(x)).dtype)
+    assert dtypes == [np.dtype(F32), BF16, np.dtype(F32), np.dtype(np.float16)]
+    assert ck.trace_count == 3
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_checkpointed_train_mode_batchnorm_is_refused_with_nothing_written(path):
+    bn = tfl.nn.BatchNorm1d(3)
+    ck = tfl.checkpoint(lambda h: bn(h))
+    opt = tfl.Optimizer(optax.sgd(0.1), [bn.weight, bn.bias])
+    cells = (bn.running_mean, bn.running_var, bn.num_batches_tracked, bn.weight, bn.bias)
+    before = [np.asarray(p.value).copy() for p in cells]
+    x = _f32((4, 3), 7)
+    with pytest.raises(TapeError, match=r"running_mean.*written inside checkpoint\(.*<lambda>\).*cannot update state"):
+        _step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
+    for p, old in zip(cells, before):
+        np.testing.assert_array_equal(np.asarray(p.value), old)
+    bn.eval()  # what the message offers: in eval mode the block writes no state and is accepted
+    _step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
+    assert int(bn.num_batches_tracked.value) == 0

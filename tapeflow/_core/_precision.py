@@ -10,8 +10,15 @@ back through it and reach a parameter in its own dtype:
   wider, if an operand already is);
 * ops that only move or select elements (``precision="layout"``) keep their
   operands' dtypes, and ``astype`` does what it is asked;
+* an op whose float operands are all scalars (0-d: a loss times a loss
+  scale, a sum of weighted losses) computes in float32, as ``torch.autocast``
+  leaves such arithmetic to type promotion: it costs nothing and the compute
+  dtype would only lose range (``2.0**16`` is ``inf`` in float16);
 * every other op, user ops included, computes its float operands in the
   compute dtype, so float32 and the compute dtype mix instead of being rejected.
+
+Inside :func:`keep_dtypes` no operand is cast, as without a policy: state
+updates (running statistics) are computed there, in the state cell's own dtype.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> p = Precision(jnp.bfloat16)
@@ -20,12 +27,16 @@ back through it and reach a parameter in its own dtype:
 [dtype(bfloat16), None]
 >>> p.targets("mean", [((2, 3), bf16)])
 [dtype('float32')]
+>>> p.targets("mul", [((), f32), ((), bf16)])   # scalars only: float32
+[None, dtype('float32')]
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -39,9 +50,38 @@ from ._result import Err, TapeError
 from ._tape import Tape, append_op, check_op
 from ._typing import DTypeLike, NodeId
 
-__all__ = ["DynamicScaleState", "Precision", "cast_operands", "dynamic_loss_scale"]
+__all__ = ["DynamicScaleState", "Precision", "cast_operands", "dtypes_kept", "dynamic_loss_scale", "keep_dtypes"]
 
 _F32 = np.dtype(np.float32)
+
+_KEEP: contextvars.ContextVar[bool] = contextvars.ContextVar("tapeflow_keep_dtypes", default=False)
+
+
+@contextlib.contextmanager
+def keep_dtypes(keep: bool = True) -> Iterator[None]:
+    """Inside the block (``keep=True``), a policy casts no operand: each op computes in its operands' dtypes.
+
+    State updates run here, so a running statistic moves in its own dtype
+    (float32 under a bfloat16 policy, as PyTorch updates its buffers) on every
+    path alike: the scope is read when an op is recorded. ``keep=False``
+    applies the policy again inside (a checkpointed block's own recording).
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> p = Precision(jnp.bfloat16)
+    >>> with keep_dtypes():
+    ...     p.targets("mul", [((2,), np.dtype("float32")), ((2,), np.dtype("float32"))])
+    [None, None]
+    """
+    token = _KEEP.set(keep)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
+def dtypes_kept() -> bool:
+    """Whether ops recorded now keep their operands' dtypes (inside :func:`keep_dtypes`)."""
+    return _KEEP.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +107,14 @@ class Precision:
 
     def targets(self, opname: str, specs: Sequence[R.Spec]) -> list[np.dtype | None]:
         """For each operand, the dtype to cast it to first, or None to use it as it is."""
+        if _KEEP.get():
+            return [None] * len(specs)
         want = self.target(opname)
+        floats = [(sh, dt) for sh, dt in specs if dt != R.OBJECT and jnp.issubdtype(dt, jnp.floating)]
+        if want is not None and floats and all(len(sh) == 0 for sh, _ in floats):
+            # scalar arithmetic (loss scaling, weighted losses): float32's range, or the widest operand's
+            for _, dt in floats:
+                want = np.dtype(jnp.promote_types(want, jnp.promote_types(dt, _F32)))
         out: list[np.dtype | None] = []
         for _, dt in specs:
             if want is None or dt == R.OBJECT or not jnp.issubdtype(dt, jnp.floating) or dt == want:
@@ -133,7 +180,9 @@ def dynamic_loss_scale(
     """Dynamic loss scaling for float16 training, as an optax transformation around ``inner``.
 
     Multiply the loss by the current scale (:attr:`DynamicScaleState.scale`,
-    read with ``opt.state.scale``) before ``backward``; this transformation
+    read with ``opt.state.scale``) before ``backward``; both are scalars, so
+    the product is computed in float32 under any policy (a scale above
+    float16's largest value, 65504, stays finite). This transformation
     divides the gradients by it, and then either applies ``inner`` (all
     finite: after ``period`` such steps in a row the scale grows by ``factor``)
     or skips the step (zero updates, ``inner``'s state kept, the scale shrinks

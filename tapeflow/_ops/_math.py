@@ -25,7 +25,7 @@ from .._core._checks import (
     norm_axes,
     same_dtype,
 )
-from .._core._registry import REQUIRED, Axes, Spec, broadcast_shapes, op, unbroadcast, xp_of
+from .._core._registry import REQUIRED, Axes, OpPrecision, Spec, broadcast_shapes, op, unbroadcast, xp_of
 from .._core._typing import Array
 
 # --------------------------------------------------------------------------- checks
@@ -103,7 +103,7 @@ def _neg_vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
     return (-g,)
 
 
-@op("pow", arity=2, check=binary_float_check)
+@op("pow", arity=2, check=binary_float_check, precision="float32")
 def pow(x: Array, y: Array) -> Array:
     """Elementwise ``x ** y``; the gradient wrt ``y`` uses ``log(x)`` where ``x > 0``."""
     return x**y
@@ -168,14 +168,20 @@ def _where_vjp(g: Array, out: Array, cond: Array, x: Array, y: Array) -> tuple[A
 # --------------------------------------------------------------------------- unary math
 
 
-def _unary(name: str, fwd: Callable[[Array], Array], deriv: Callable[[Array, Array], Array], doc: str) -> None:
+def _unary(
+    name: str,
+    fwd: Callable[[Array], Array],
+    deriv: Callable[[Array, Array], Array],
+    doc: str,
+    precision: OpPrecision = "compute",
+) -> None:
     """Register a float unary op whose VJP is ``g * deriv(x, out)``."""
 
     def f(x: Array) -> Array:
         return fwd(x)
 
     f.__doc__ = doc
-    d = op(name, arity=1, check=float_operands)(f)
+    d = op(name, arity=1, check=float_operands, precision=precision)(f)
 
     def vjp(g: Array, out: Array, x: Array) -> tuple[Array]:
         return ((g * deriv(x, out)).astype(g.dtype),)
@@ -187,14 +193,16 @@ def _softplus_deriv(x: Array, out: Array) -> Array:
     return jax.nn.sigmoid(x)
 
 
-_unary("exp", jnp.exp, lambda x, out: out, "Elementwise exponential.")
-_unary("log", jnp.log, lambda x, out: 1 / x, "Elementwise natural logarithm.")
+# exp, log, softplus and pow compute in float32 under a policy, as on torch.autocast's float32 list:
+# in bfloat16, log(1.001) is 0 and exp loses all but 3 significant digits
+_unary("exp", jnp.exp, lambda x, out: out, "Elementwise exponential.", "float32")
+_unary("log", jnp.log, lambda x, out: 1 / x, "Elementwise natural logarithm.", "float32")
 _unary("sqrt", jnp.sqrt, lambda x, out: 0.5 / out, "Elementwise square root.")
 _unary("sin", jnp.sin, lambda x, out: jnp.cos(x), "Elementwise sine.")
 _unary("cos", jnp.cos, lambda x, out: -jnp.sin(x), "Elementwise cosine.")
 _unary("tanh", jnp.tanh, lambda x, out: 1 - out * out, "Elementwise hyperbolic tangent.")
 _unary("sigmoid", jax.nn.sigmoid, lambda x, out: out * (1 - out), "Elementwise logistic sigmoid.")
-_unary("softplus", jax.nn.softplus, _softplus_deriv, "Elementwise ``log(1 + exp(x))``.")
+_unary("softplus", jax.nn.softplus, _softplus_deriv, "Elementwise ``log(1 + exp(x))``.", "float32")
 _unary("abs", jnp.abs, lambda x, out: jnp.sign(x), "Elementwise absolute value (gradient sign(x), 0 at 0).")
 
 

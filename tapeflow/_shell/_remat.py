@@ -11,10 +11,14 @@ VJP runs) and differentiates the recomputation with tapeflow's own backward.
 How it works:
 
 * On the first call with a new signature (operand shapes and dtypes, the
-  static arguments, whether the session tracks gradients) the block is run
+  static arguments, whether the session tracks gradients, its mixed-precision
+  policy) the block is run
   once on a private inner :class:`~tapeflow.Session`, which finds the Params it
   reads (every one, frozen and tied records included) and whether it draws
-  random numbers. That is the block's *trace*.
+  random numbers. That is the block's *trace*. Under ``compute_dtype`` the
+  inner session has the calling session's policy, so the block records the
+  same casts as without checkpoint, in its forward and in its recomputation;
+  the op itself casts no operand (``precision="layout"``).
 * Each wrapped block is one op of the registry (``checkpoint:<qualname>:<n>``,
   not public) whose operands are the Tensor (and array) arguments, one leaf per Param
   storage the block reads (recorded with the calling session's ``use``, so
@@ -65,12 +69,14 @@ import numpy as np
 from .._core import _registry as R
 from .._core._backward import backward as _tape_backward
 from .._core._kernels import drop_kernels_of
+from .._core._precision import Precision, dtypes_kept, keep_dtypes
 from .._core._result import TapeError
 from .._core._tape import check_op
 from .._core._typing import Array, PRNGKey, PyTree
 from ._grads import sum_in_leaf_order
 from ._params import Param, Storage
 from ._session import Session, block_session
+from ._state import state_writes_refused
 from ._tensor import Tensor, session_of
 from ._values import ParamSource, host_operand
 
@@ -122,6 +128,7 @@ class _Trace(_Args):
 
     index: int
     grad_enabled: bool
+    precision: Precision | None  # the calling session's policy: the block records and recomputes under it
     records: tuple[Param, ...]  # one Param record per storage the block reads, in first-read order
     has_key: bool  # the block draws random numbers: the op takes a key as its last operand
     outputs: jax.tree_util.PyTreeDef  # structure of the block's result, Tensors as leaves
@@ -198,7 +205,9 @@ class _Core:
             leaves[pos] = h
         args, kwargs = jax.tree_util.tree_unflatten(t.args, leaves)
         try:
-            with inner.as_current():
+            # the inner session's policy alone decides the block's casts, wherever its kernels are traced;
+            # a state write would happen again in the recomputation
+            with inner.as_current(), keep_dtypes(False), state_writes_refused(self.label):
                 return self.block(*args, **kwargs)
         except Exception as e:
             msg = str(e) if isinstance(e, TapeError) else f"{type(e).__name__}: {e}"
@@ -225,7 +234,7 @@ class _Core:
         given = dict(zip(t.storages, xs[n_in : n_in + n_p]))
         key = xs[n_in + n_p] if t.has_key else None
         reads = _BlockReads(given)
-        inner = block_session(None, reads, key, grad_enabled=True if recompute else t.grad_enabled)
+        inner = block_session(None, reads, key, True if recompute else t.grad_enabled, _dtype(t.precision))
         when = "while recomputed for backward" if recompute else "while its forward was compiled"
         handles = [inner.input(x, requires_grad=recompute and R.is_float(np.dtype(x.dtype))) for x in xs[:n_in]]
         out = self._call_block(t, inner, handles, when)
@@ -292,7 +301,8 @@ class _Core:
             if i is not None:
                 return self.traces[i]
             reads = _BlockReads(None)
-            inner = block_session(s.device, reads, None, grad_enabled=s.grad_enabled)
+            policy = _policy(s)
+            inner = block_session(s.device, reads, None, s.grad_enabled, _dtype(policy))
             t0 = s.tape
             try:
                 ins = [inner.input(v) for v in values]
@@ -314,11 +324,20 @@ class _Core:
                     "which checkpoint does not support"
                 )
             specs = in_specs + tuple((p.shape, p.dtype) for p in records)
-            t = _Trace(call.args, call.statics, call.slots, len(self.traces), s.grad_enabled, records,
+            t = _Trace(call.args, call.statics, call.slots, len(self.traces), s.grad_enabled, policy, records,
                        inner.rng_counter > 0, treedef, specs)  # fmt: skip
             self.traces.append(t)
             self.by_key[key] = t.index
             return t
+
+
+def _policy(s: Session) -> Precision | None:
+    """The policy ops recorded on ``s`` now follow (None inside :func:`keep_dtypes`): the one a trace runs under."""
+    return None if dtypes_kept() else s.precision
+
+
+def _dtype(policy: Precision | None) -> np.dtype | None:
+    return None if policy is None else policy.compute_dtype
 
 
 def _register(core: _Core) -> None:
@@ -342,7 +361,15 @@ def _register(core: _Core) -> None:
         return live().vjp(g, out, *xs, trace=trace, output=output)
 
     forward.__doc__ = _Core.forward.__doc__
-    d = R.op(core.opname, attrs={"trace": R.REQUIRED, "output": 0}, check=check, public=False, user=core.block)(forward)
+    # "layout": the outer policy casts no operand; the block records its own casts under its trace's policy
+    d = R.op(
+        core.opname,
+        attrs={"trace": R.REQUIRED, "output": 0},
+        check=check,
+        public=False,
+        user=core.block,
+        precision="layout",
+    )(forward)
     d.defvjp(vjp)
 
 
@@ -422,7 +449,7 @@ class Checkpointed:
         in_specs = tuple((tuple(v.shape), np.dtype(v.dtype)) for v in values)
         if any(spec[1] == R.OBJECT for spec in in_specs):
             raise TapeError(f"{core.label}: exact rational operands are not supported ({R.describe(in_specs)})")
-        key = (treedef, tuple((type(x), x) for x in statics), in_specs, s.grad_enabled)
+        key = (treedef, tuple((type(x), x) for x in statics), in_specs, s.grad_enabled, _policy(s))
         t = core.trace_for(key, s, values, in_specs, _Args(treedef, statics, slots))
         operands: list[Any] = [*inputs, *t.records]
         specs = list(t.specs)
@@ -483,6 +510,12 @@ def checkpoint(block: Block, *, name: str | None = None) -> Checkpointed:
     * Several outputs record one node each; in eager mode each node's kernel runs
       the block (under ``jax.jit`` XLA merges them), and each output's backward
       recomputes it. Prefer single-output blocks where that matters.
+    * Under a mixed-precision policy (``Session(compute_dtype=...)``,
+      ``train_step(compute_dtype=...)``) the block records and recomputes under
+      the same policy: its gradients equal the un-checkpointed block's under it.
+    * A block cannot update state: :meth:`Session.assign_state` inside it (a
+      BatchNorm in train mode) is refused at its first write, so the refused
+      call changes nothing. Call such a layer outside the block, or in eval mode.
     * A block that fails (a shape error inside) raises a :class:`TapeError`
       naming the block; the calling session's tape is unchanged.
     * Wrap a block once and reuse the wrapper: each wrapper is its own registry

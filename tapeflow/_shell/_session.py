@@ -875,7 +875,13 @@ def traced_session(
     return s
 
 
-def block_session(device: jax.Device | None, params: ParamSource, key: PRNGKey | None, grad_enabled: bool) -> Session:
+def block_session(
+    device: jax.Device | None,
+    params: ParamSource,
+    key: PRNGKey | None,
+    grad_enabled: bool,
+    compute_dtype: DTypeLike | None = None,
+) -> Session:
     """An eager session whose Param uses read ``params`` first: the private session a checkpointed block runs on.
 
     Usable from any thread (a block's kernels may run anywhere); random
@@ -894,7 +900,7 @@ def block_session(device: jax.Device | None, params: ParamSource, key: PRNGKey |
         grad_enabled=grad_enabled,
         show_backend=False,
         check_same_thread=False,
-        compute_dtype=None,
+        compute_dtype=compute_dtype,
         mode="eager",
         key=key,
         params=params,

@@ -45,7 +45,7 @@ from ._commit import commit
 from ._grads import Grads
 from ._params import Param, Storage
 
-__all__ = ["StateLog", "check_state_cell", "mode_reads", "note_mode_read", "state_log_of"]
+__all__ = ["StateLog", "check_state_cell", "mode_reads", "note_mode_read", "state_log_of", "state_writes_refused"]
 
 _LOG_ATTR = "_tapeflow_state_log"
 """The attribute under which a :class:`~tapeflow.Grads` carries the state log of its recording."""
@@ -83,6 +83,33 @@ def mode_reads() -> Iterator[dict[int, Any]]:
         yield reads
     finally:
         _MODE_READS.reset(token)
+
+
+_REFUSED: contextvars.ContextVar[str | None] = contextvars.ContextVar("tapeflow_state_writes_refused", default=None)
+
+
+@contextlib.contextmanager
+def state_writes_refused(where: str) -> Iterator[None]:
+    """Refuse every state write inside the block, before anything is written; ``where`` names the block.
+
+    A checkpointed block runs again in its backward, so a write inside it would
+    happen twice (and, compiled, with values JAX traces); refusing the first
+    write keeps a refused call free of side effects.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> n = tfl.Param(jnp.zeros(()), trainable=False)
+    >>> with tfl.Session() as s, state_writes_refused("checkpoint(f)"):
+    ...     s.assign_state(n, 1.0)
+    Traceback (most recent call last):
+    tapeflow._core._result.TapeError: assign_state: the state cell Param(...) is written inside checkpoint(f), ...
+    >>> float(n.value)
+    0.0
+    """
+    token = _REFUSED.set(where)
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
 
 
 class StateLog:
@@ -134,6 +161,13 @@ class StateLog:
         [1, 2]
         """
         st = param.storage
+        where = _REFUSED.get()
+        if where is not None:
+            raise TapeError(
+                f"assign_state: the state cell {param!r} is written inside {where}, which recomputes its block in "
+                "backward and so cannot update state; nothing was written. Call the layer that updates state (a "
+                "BatchNorm in train mode) outside the checkpointed block, or put it in eval mode inside it"
+            )
         if tuple(np.shape(value)) != st.shape:
             raise TapeError(
                 f"assign_state: {param!r} holds {R.fmt_spec((st.shape, st.dtype))}; the new value has shape "
@@ -142,9 +176,9 @@ class StateLog:
         v = jnp.asarray(value, st.dtype)
         if eager and isinstance(v, jax.core.Tracer):
             raise TapeError(
-                f"assign_state: the new value of {param!r} is being traced by JAX (inside tfl.checkpoint or a "
-                "jax transformation of eager session code), so it cannot be written into the storage. Update "
-                "state outside the checkpointed block, or use tfl.train_step / tfl.value_and_grad(has_state=True)"
+                f"assign_state: the new value of {param!r} is being traced by JAX (a jax transformation of eager "
+                "session code), so it cannot be written into the storage. Update state outside the transformation, "
+                "or use tfl.train_step / tfl.value_and_grad(has_state=True)"
             )
         self.write(st, v, eager=eager)
         return v

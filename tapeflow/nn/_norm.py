@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core._precision import keep_dtypes
 from .._core._registry import is_float
 from .._core._result import TapeError
 from .._core._typing import DTypeLike
@@ -127,10 +128,15 @@ class _BatchNorm(Module):
         return t if p.dtype == dtype else F.astype(t, dtype)
 
     def _update_running_stats(self, s: Session, mean: Tensor, var: Tensor, n: int) -> None:
-        """PyTorch's update: ``r <- (1 - f) r + f * batch``, unbiased batch variance, ``f`` = momentum or 1/count."""
+        """PyTorch's update: ``r <- (1 - f) r + f * batch``, unbiased batch variance, ``f`` = momentum or 1/count.
+
+        Computed in the statistics' own dtype whatever the session's compute dtype (as PyTorch's
+        autocast updates float32 buffers in float32): a bfloat16 update of a small momentum rounds away.
+        """
         rm, rv, count = self.running_mean, self.running_var, self.num_batches_tracked
         assert rm is not None and rv is not None and count is not None
-        with s.no_grad():  # the statistics are not part of any gradient
+        # no_grad: the statistics are not part of any gradient; keep_dtypes: no cast to the compute dtype
+        with s.no_grad(), keep_dtypes():
             new_count = s.use(count) + 1
             f: Tensor | float = self.momentum if self.momentum is not None else 1.0 / F.astype(new_count, rm.dtype)
             m = F.reshape(mean, (self.num_features,))
