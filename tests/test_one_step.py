@@ -182,11 +182,6 @@ def test_setting_a_params_value_to_a_tracer_is_refused_with_nothing_changed():
     _steps_eagerly_afterwards(w, opt, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21: TrainStep runs a donating program under jax.grad/vmap before commit refuses the tracers, "
-    "so the donated Params and optimizer state are deleted; the check belongs before the call in _train/_functional.py",
-)
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_a_donating_train_step_called_under_grad_or_vmap_keeps_the_params(transform):
     w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
@@ -201,12 +196,6 @@ def test_a_donating_train_step_called_under_grad_or_vmap_keeps_the_params(transf
     _steps_eagerly_afterwards(w, opt, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21: with check_finite=True, _train/_step.refused reads the traced finite flags with np.asarray "
-    "and raises jax's TracerArrayConversionError before commit can refuse the step with a TapeError (the check "
-    "belongs before the finite flags are read)",
-)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_finite_checked_step_under_jit_is_refused_with_a_tape_error(path):
     w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")

@@ -69,8 +69,12 @@ def default_device() -> jax.Device:
 
 @functools.cache
 def _array_type() -> type:
-    """The concrete class of ``jax.Array`` values (found on first use: importing tapeflow starts no backend)."""
-    return type(jax.numpy.zeros(()))
+    """The concrete class of ``jax.Array`` values (found on first use: importing tapeflow starts no backend).
+
+    Evaluated at compile time, so a first call inside a trace still finds the array class, not a tracer's.
+    """
+    with jax.ensure_compile_time_eval():
+        return type(jax.numpy.zeros(()))
 
 
 def device_of(x: object) -> jax.Device | None:

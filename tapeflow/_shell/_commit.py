@@ -47,7 +47,7 @@ from .._core._typing import Array, ArrayLike
 if TYPE_CHECKING:
     from ._params import Storage  # commit sits below _params: Param.value writes through it
 
-__all__ = ["StateWriteError", "check_write", "commit"]
+__all__ = ["StateWriteError", "check_write", "commit", "traced_write"]
 
 
 class StateWriteError(TapeError):
@@ -63,6 +63,20 @@ class StateWriteError(TapeError):
     """
 
 
+def traced_write(where: str, what: str) -> StateWriteError:
+    """The refusal of a write whose value (``what``) is being traced by JAX: a storage never holds a tracer.
+
+    >>> print(traced_write("train_step", "the batch").args[0].split(";")[0])
+    train_step: the batch is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), so it cannot be stored: train_step writes parameters and state, and a storage never holds a tracer
+    """
+    return StateWriteError(
+        f"{where}: {what} is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), "
+        f"so it cannot be stored: {where} writes parameters and state, and a storage never holds a tracer; "
+        f"nothing was written. Run {where} outside the transformation, or use tfl.value_and_grad for a pure "
+        "function that returns the new values instead of writing them"
+    )
+
+
 def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = None) -> Array | np.ndarray:
     """``value`` as it will be stored in ``st`` (a definite-typed array), or :class:`StateWriteError`.
 
@@ -74,12 +88,7 @@ def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = N
     """
     what = repr(st) if label is None else label
     if isinstance(value, jax.core.Tracer):
-        raise StateWriteError(
-            f"{where}: the new value of {what} is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), "
-            f"so it cannot be stored: {where} writes parameters and state, and a storage never holds a tracer; "
-            f"nothing was written. Run {where} outside the transformation, or use tfl.value_and_grad for a pure "
-            "function that returns the new values instead of writing them"
-        )
+        raise traced_write(where, f"the new value of {what}")
     v: Array | np.ndarray
     if isinstance(value, jax.Array):
         v = value

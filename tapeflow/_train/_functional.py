@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .._core._interrupts import deferred_interrupts
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
+from .._shell._commit import traced_write
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
@@ -414,6 +415,9 @@ class TrainStep:
 
     def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+            # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
+            raise traced_write("train_step", "its batch")
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state
