@@ -175,7 +175,11 @@ def _sweep(
         mask = tuple(nodes[p].requires_grad for p in parents)
         if not any(mask):
             continue
-        d = R.REGISTRY[nd.op]
+        d = nd.opdef  # the definition the node was recorded with, never the name's current one
+        if d is None:
+            raise TapeError(
+                f"backward: node #{i} records op {nd.op!r}, which is not registered; record it with a registered op"
+            )
         if d.nondiff:
             mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
         cts = pull(i, nd, g, mask)
@@ -222,9 +226,9 @@ def backward(
 
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
         parents = nd.parents
-        assert nd.op is not None
+        assert nd.opdef is not None  # the sweep pulls through op nodes only
         specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
-        fn = R.get_vjp(nd.op, nd.attrs, specs, mask)
+        fn = R.get_vjp(nd.opdef, nd.attrs, specs, mask)
         return fn(g, nd.value, *[nodes[p].value for p in parents])
 
     result = _sweep(nodes, root, seed_v, want, pull, add_cotangents, hooks)
@@ -240,9 +244,10 @@ def backward(
 
 def _vjp_check(specs: tuple[R.Spec, ...], node_op: object, node_attrs: object, wrt: object, k: object) -> str | None:
     op, attrs = node_op, node_attrs
-    d = R.REGISTRY.get(op) if isinstance(op, str) else None
+    d = node_op if isinstance(node_op, R.OpDef) else R.REGISTRY.get(op) if isinstance(op, str) else None
     if d is None:
-        return f"op={op!r} is not a registered op"
+        return f"node_op={op!r} is neither a registered op's name nor an OpDef"
+    op = d.name
     n = len(specs) - 2
     if not (isinstance(wrt, tuple) and len(wrt) == n and all(type(m) is bool for m in wrt)):
         return f"wrt={wrt!r} must be a tuple of {n} bools (which operands of {op} get a cotangent)"
@@ -250,7 +255,7 @@ def _vjp_check(specs: tuple[R.Spec, ...], node_op: object, node_attrs: object, w
         return f"k={k!r} must index one of the {sum(wrt)} cotangents of {op}"
     if not isinstance(attrs, tuple):
         return f"node_attrs={attrs!r} must be the normalized attributes of the {op} node"
-    e = R.get_fwd(d.name, tuple(sorted({**d.defaults, **dict(attrs)}.items())), specs[2:])
+    e = R.get_fwd(d, tuple(sorted({**d.defaults, **dict(attrs)}.items())), specs[2:])
     if isinstance(e, str):
         return f"the {op} node's operands or attributes are invalid: {e}"
     if specs[0] != e.spec or specs[1] != e.spec:
@@ -266,8 +271,10 @@ def _vjp_check(specs: tuple[R.Spec, ...], node_op: object, node_attrs: object, w
     public=False,
     precision="layout",
 )
-def _vjp_forward(g: Array, out: Array, *xs: Array, node_op: str, node_attrs: tuple[tuple[str, AttrValue], ...], wrt: tuple[bool, ...], k: int) -> Array:  # fmt: skip
+def _vjp_forward(g: Array, out: Array, *xs: Array, node_op: str | R.OpDef, node_attrs: tuple[tuple[str, AttrValue], ...], wrt: tuple[bool, ...], k: int) -> Array:  # fmt: skip
     """Cotangent ``k`` of the operands of a ``node_op`` node (attributes ``node_attrs``): one step of a recorded backward.
+
+    ``node_op`` is the op's name, or its :class:`~tapeflow.OpDef` when the node's definition no longer holds the name.
 
     Its operands are the cotangent ``g`` of the node, the node's output ``out``
     and the node's operands; ``wrt`` marks the operands that get a cotangent.
@@ -275,8 +282,9 @@ def _vjp_forward(g: Array, out: Array, *xs: Array, node_op: str, node_attrs: tup
     of this function, so a gradient can be differentiated again.
     """
     specs = tuple([(tuple(x.shape), np.dtype(x.dtype)) for x in xs])
-    full = tuple(sorted({**R.REGISTRY[node_op].defaults, **dict(node_attrs)}.items()))  # a node's attrs are full
-    return R.get_vjp(node_op, full, specs, wrt)(g, out, *xs)[k]
+    d = R.definition(node_op)
+    full = tuple(sorted({**d.defaults, **dict(node_attrs)}.items()))  # a node's attrs are full
+    return R.get_vjp(d, full, specs, wrt)(g, out, *xs)[k]
 
 
 def _record(tape: Tape, op: str, ids: tuple[int, ...], **attrs: AttrValue) -> tuple[Tape, int]:
@@ -310,10 +318,11 @@ def backward_graph(
 
     def pull(i: int, nd: Node, g: int, mask: tuple[bool, ...]) -> Sequence[int]:
         nonlocal t
-        assert nd.op is not None
+        assert nd.opdef is not None
+        ref = R.reference(nd.opdef)
         out = []
         for k in range(sum(mask)):
-            t, c = _record(t, "vjp", (g, i, *nd.parents), node_op=nd.op, node_attrs=nd.attrs, wrt=mask, k=k)
+            t, c = _record(t, "vjp", (g, i, *nd.parents), node_op=ref, node_attrs=nd.attrs, wrt=mask, k=k)
             out.append(c)
         return out
 

@@ -39,8 +39,10 @@ TangentGroup: TypeAlias = tuple[Sequence[NodeId], ArrayLike, str, R.Spec | None]
 """``(node ids, tangent, what the key is, its (shape, dtype) or None)``: one tangent given to several nodes."""
 
 
-def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Array]:
+def get_jvp(op: str | R.OpDef, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool, ...]) -> Callable[..., Array]:
     """Compiled ``(*inputs, *tangents of the masked inputs) -> tangent of the output``, bound to runtime values in ``attrs``.
+
+    ``op`` is a registered name or a definition (a node's: see :func:`~tapeflow._core._registry.kernel_cache_key`).
 
     >>> import numpy as np
     >>> f32 = np.dtype("float32")
@@ -48,9 +50,9 @@ def get_jvp(name: str, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tuple[bool
     >>> float(f(np.float32(2.0), np.float32(5.0), np.float32(1.0)))   # d(x * y)/dx . 1 = y
     5.0
     """
-    d = R.REGISTRY[name]
+    d = R.definition(op)
     akey, rt = R.kernel_key(d, attrs) if attrs else ((), {})
-    key = (name, akey, specs, mask)
+    key = R.kernel_cache_key(d, akey, specs, mask)
     fn = _JVP_CACHE.hit(key)
     if fn is None:
         static = {k: v for k, v in attrs if k not in rt}
@@ -227,7 +229,12 @@ def _push(nodes: Sequence[Node], root: int, seeds: dict[int, Array]) -> Array:
             continue
         parents = nd.parents
         mask = tuple(p in tan for p in parents)
-        if any(mask) and R.is_float(nd.dtype) and (d := R.REGISTRY[nd.op]).tangent:
+        d = nd.opdef  # the definition the node was recorded with
+        if d is None:
+            raise TapeError(
+                f"jvp: node #{i} records op {nd.op!r}, which is not registered; record it with a registered op"
+            )
+        if any(mask) and R.is_float(nd.dtype) and d.tangent:
             if d.nondiff:
                 mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
             if any(mask):
@@ -236,7 +243,7 @@ def _push(nodes: Sequence[Node], root: int, seeds: dict[int, Array]) -> Array:
                         f"jvp: node #{i} ({nd.op}) holds exact rationals (object dtype); "
                         "forward mode is not supported on them"
                     )
-                fn = get_jvp(nd.op, nd.attrs, tuple([nodes[p].spec for p in parents]), mask)
+                fn = get_jvp(d, nd.attrs, tuple([nodes[p].spec for p in parents]), mask)
                 tan[i] = fn(*[nodes[p].value for p in parents], *[tan[p] for p, m in zip(parents, mask) if m])
         for p in parents:
             if last.get(p) == i:

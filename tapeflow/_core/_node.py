@@ -23,8 +23,8 @@ from ._typing import Array, Attrs, Shape
 
 __all__ = ["PENDING", "Node", "NodeMeta", "NodeView"]
 
-NodeMeta: TypeAlias = tuple[str | None, Attrs, tuple[int, ...], bool, Shape, np.dtype]
-"""A node's static part: ``(op, attrs, parents, requires_grad, shape, dtype)``."""
+NodeMeta: TypeAlias = tuple[str | None, Attrs, tuple[int, ...], bool, Shape, np.dtype, "R.OpDef | None"]
+"""A node's static part: ``(op, attrs, parents, requires_grad, shape, dtype, opdef)``."""
 
 
 class _Pending:
@@ -42,11 +42,15 @@ PENDING: Any = _Pending()  # one marker object: ``node.value is PENDING``
 class Node:
     """One recorded value: a leaf (``op is None``) or the output of an op.
 
-    ``op``, ``attrs``, ``parents``, ``requires_grad``, ``shape`` and ``dtype`` are
-    static (they are part of the tape's pytree structure); ``value`` is the array.
+    ``op``, ``attrs``, ``parents``, ``requires_grad``, ``shape``, ``dtype`` and
+    ``opdef`` are static (they are part of the tape's pytree structure); ``value``
+    is the array. ``opdef`` is the :class:`~tapeflow.OpDef` the node was recorded
+    with (None for a leaf): its forward, VJP and tangent are what computes and
+    differentiates the node, even after ``op`` was redefined (``replace=True``)
+    or unregistered. Left out, it is the op registered as ``op`` now.
     """
 
-    __slots__ = ("attrs", "dtype", "op", "parents", "requires_grad", "shape", "spec", "value")
+    __slots__ = ("attrs", "dtype", "op", "opdef", "parents", "requires_grad", "shape", "spec", "value")
 
     def __init__(
         self,
@@ -58,8 +62,10 @@ class Node:
         shape: tuple[int, ...],
         dtype: np.dtype,
         spec: R.Spec | None = None,
+        opdef: R.OpDef | None = None,
     ) -> None:
         self.op = op
+        self.opdef = R.REGISTRY.get(op) if opdef is None and op is not None else opdef
         self.attrs = attrs
         self.parents = parents
         self.value = value
@@ -71,7 +77,7 @@ class Node:
     @property
     def meta(self) -> NodeMeta:
         """The static part of the node (its share of the tape's pytree structure)."""
-        return (self.op, self.attrs, self.parents, self.requires_grad, self.shape, self.dtype)
+        return (self.op, self.attrs, self.parents, self.requires_grad, self.shape, self.dtype, self.opdef)
 
     def __repr__(self) -> str:
         what = "leaf" if self.op is None else f"{self.op}{self.parents}"

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Literal, TypeAlias, get_args
 
@@ -60,6 +60,8 @@ __all__ = [
     "ShapeLike",
     "Spec",
     "attr_key",
+    "definition",
+    "kernel_cache_key",
     "normalize_attrs",
     "op",
     "ops",
@@ -437,8 +439,11 @@ def kernel_key(
 
 @dataclasses.dataclass(eq=False, slots=True)
 class FwdEntry:
-    """A checked, compiled forward for one cache key; never mutated (not frozen: cheaper to create)."""
+    """A checked, compiled forward for one cache key; never mutated (not frozen: cheaper to create).
 
+    ``opdef`` is the definition it was built from: every node it records keeps it."""
+
+    opdef: OpDef
     fn: Callable[..., Array]
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -493,7 +498,7 @@ def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str
         if not d.exact:
             exact_ops = ", ".join(k for k, v in sorted(REGISTRY.items()) if v.exact)
             return f"exact rational (object) operands are not supported by this op; ops that are exact on rationals: {exact_ops}"
-        return FwdEntry(fwd, (), OBJECT, full_t, diff, True, runtime=tuple(rt))
+        return FwdEntry(d, fwd, (), OBJECT, full_t, diff, True, runtime=tuple(rt))
     try:
         out = jax.eval_shape(fwd, *(jax.ShapeDtypeStruct(s, t) for s, t in specs), **rt)
     except Exception as e:
@@ -501,23 +506,45 @@ def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str
         return f"operands rejected by the forward ({type(e).__name__}: {first})"
     if not isinstance(out, jax.ShapeDtypeStruct):
         return "forward must return a single array"
-    jkey = (d.name, kernel_key(d, full_t, rt)[0])  # traced: the values given, not defaults
+    jkey = kernel_cache_key(d, kernel_key(d, full_t, rt)[0])  # traced: the values given, not defaults
     fn: Callable[..., Array] | None = _JIT_FWD.hit(jkey)
     if fn is None:
         fn = jax.jit(fwd)
         _JIT_FWD.put(jkey, fn)
     shape, dtype = tuple(out.shape), np.dtype(out.dtype)
-    return FwdEntry(fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype), tuple(rt))
+    return FwdEntry(d, fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype), tuple(rt))
 
 
-def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
+def definition(op: str | OpDef) -> OpDef:
+    """The definition ``op`` names: the op registered under a name, or an :class:`OpDef` as it is (a node's own)."""
+    return REGISTRY[op] if type(op) is str else op  # type: ignore[return-value]
+
+
+def reference(d: OpDef) -> str | OpDef:
+    """How an attribute names definition ``d`` (a recorded VJP's ``node_op``): its name while registered, else ``d``."""
+    return d.name if REGISTRY.get(d.name) is d else d
+
+
+def kernel_cache_key(d: OpDef, *rest: Hashable) -> tuple[Hashable, ...]:
+    """The kernel-cache key of definition ``d``: ``(name, *rest)`` while ``d`` is registered, else ``d`` appended.
+
+    The one rule that keeps the kernels of two definitions of one name apart: a node recorded before
+    its op was redefined or unregistered still computes, differentiates and pushes tangents with its own
+    definition, and never finds (or leaves) a kernel under the key of the definition that holds the name now.
+    """
+    key = (d.name, *rest)
+    return key if REGISTRY.get(d.name) is d else (*key, d)
+
+
+def get_fwd(op: str | OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
     """Cached :func:`build_fwd` of normalized ``attrs``, keyed by :func:`kernel_key`, bound to runtime values.
 
+    ``op`` is a registered name or a definition (a node's: see :func:`kernel_cache_key`).
     A rejected call (never cached) leaves the caches as they were, LRU order included.
     """
-    d = REGISTRY[name]
+    d = definition(op)
     akey, rt = kernel_key(d, attrs) if attrs else ((), {})
-    key = (name, akey, specs)
+    key = kernel_cache_key(d, akey, specs)
     e: FwdEntry | None = _FWD_CACHE.get(key)
     if e is None:
         built = build_fwd(d, attrs, specs)
@@ -529,7 +556,7 @@ def get_fwd(name: str, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str:
         if msg := _check_error(d, specs, full):
             return msg
         fn = functools.partial(e.fn, **{k: full[k] for k in e.runtime})
-        e = FwdEntry(fn, e.shape, e.dtype, tuple(sorted(full.items())), e.diff, e.differentiable, e.spec)
+        e = FwdEntry(d, fn, e.shape, e.dtype, tuple(sorted(full.items())), e.diff, e.differentiable, e.spec)
     _FWD_CACHE.hit(key)
     return e
 
@@ -551,12 +578,14 @@ def _derived_vjp(d: OpDef, attrs: dict[str, AttrValue], mask: tuple[bool, ...]) 
 
 
 def get_vjp(
-    name: str, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]
+    op: str | OpDef, attrs: Attrs, specs: tuple[Spec, ...], mask: tuple[bool, ...]
 ) -> Callable[..., tuple[Array, ...]]:
-    """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs``, bound to runtime values in ``attrs``."""
-    d = REGISTRY[name]
+    """Compiled ``(g, out, *inputs) -> cotangents of the masked inputs``, bound to runtime values in ``attrs``.
+
+    ``op`` is a registered name or a definition (a node's: see :func:`kernel_cache_key`)."""
+    d = definition(op)
     akey, rt = kernel_key(d, attrs) if attrs else ((), {})
-    key = (name, akey, specs, mask)
+    key = kernel_cache_key(d, akey, specs, mask)
     fn = _VJP_CACHE.hit(key)
     if fn is None:
         static = {k: v for k, v in attrs if k not in rt}

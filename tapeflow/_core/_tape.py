@@ -210,7 +210,7 @@ def with_values(tape: Tape, values: Sequence[Any]) -> Tape:
     [0.0, 0.0]
     """
     nodes = [
-        Node(nd.op, nd.attrs, nd.parents, v, nd.requires_grad, nd.shape, nd.dtype, nd.spec)
+        Node(nd.op, nd.attrs, nd.parents, v, nd.requires_grad, nd.shape, nd.dtype, nd.spec, nd.opdef)
         for nd, v in zip(tape, values, strict=True)
     ]
     return Tape._make(_Buffer(nodes), tape._n, tape.device)
@@ -225,8 +225,8 @@ def _flatten(t: Tape) -> tuple[list[Any], tuple[Any, ...]]:
 def _unflatten(aux: tuple[Any, ...], values: Iterable[Any]) -> Tape:
     device, metas = aux
     out: list[Node] = []
-    for (op, attrs, parents, rg, shape, dtype), v in zip(metas, values):
-        out.append(Node(op, attrs, parents, v, rg, shape, dtype))
+    for (op, attrs, parents, rg, shape, dtype, opdef), v in zip(metas, values):
+        out.append(Node(op, attrs, parents, v, rg, shape, dtype, None, opdef))
     return Tape._make(_Buffer(out), len(out), device)
 
 
@@ -498,9 +498,9 @@ def append_op(
         shape = tuple(np.shape(out))
         if not isinstance(out, np.ndarray):
             out = np.asarray(out, dtype=object)
-        node = Node(op, entry.attrs, ids, out, rg, shape, R.OBJECT)
+        node = Node(op, entry.attrs, ids, out, rg, shape, R.OBJECT, None, entry.opdef)
     else:
-        node = Node(op, entry.attrs, ids, out, rg, entry.shape, entry.dtype, entry.spec)
+        node = Node(op, entry.attrs, ids, out, rg, entry.shape, entry.dtype, entry.spec, entry.opdef)
     return _append(tape, node), (_OKS[n] if n < _N_OKS else Ok(n))
 
 

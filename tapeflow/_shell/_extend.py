@@ -377,7 +377,11 @@ def _check_output(specs: tuple[R.Spec, ...], output: object = 0, **kw: object) -
 
 
 def _checked_vjp(name: str, vjp: VjpFn) -> Callable[..., tuple[Array, ...]]:
-    """``vjp`` returning exactly one cotangent per operand, of the operand's shape (None: zeros)."""
+    """``vjp`` returning exactly one cotangent per operand, of the operand's shape and dtype (None: zeros).
+
+    A Python number takes its operand's dtype (as JAX's weak typing would); an array of another dtype is an
+    error, never a cast: a gradient that came back bfloat16 or truncated to int32 is a bug in the VJP.
+    """
 
     def checked(g: Array, out: Array, *xs: Array, **attrs: AttrValue) -> tuple[Array, ...]:
         cts = vjp(g, out, *xs, **attrs)
@@ -398,6 +402,13 @@ def _checked_vjp(name: str, vjp: VjpFn) -> Callable[..., tuple[Array, ...]]:
                 raise ValueError(
                     f"{name}: the vjp's cotangent #{i} has shape {jnp.shape(c)}, but operand #{i} has shape "
                     f"{jnp.shape(x)}"
+                )
+            elif isinstance(c, (int, float)):
+                c = jnp.asarray(c, x.dtype)
+            elif (got := jnp.result_type(c)) != x.dtype:
+                raise TypeError(
+                    f"{name}: the vjp's cotangent #{i} is {got}, but operand #{i} is {x.dtype}; return the "
+                    f"cotangent in its operand's dtype (e.g. .astype(x.dtype)), or None where none flows"
                 )
             fixed.append(c)
         return tuple(fixed)

@@ -20,9 +20,12 @@ A program is a pure function of the values the recording already holds
 (inputs, per-use parameter snapshots, constants, random draws, values computed
 earlier): they are always arguments, never constants baked into it. Programs
 are cached (a bounded LRU, ``"lazy"`` in :func:`~tapeflow.kernel_cache_info`)
-by the recording's *structure*: each node's op, attributes, parents, shape,
-dtype and ``requires_grad``, interned once per node as it is first keyed, plus
-which nodes are still pending and what the program returns.
+by the recording's *structure*: each node's op definition (the
+:class:`~tapeflow.OpDef` itself, so a redefined op never meets a program of
+its old definition), attributes, parents, shape, dtype and ``requires_grad``,
+interned once per node as it is first keyed, plus which nodes are still
+pending and what the program returns. The intern table starts over when full;
+every structure names the table's epoch, so ids of two epochs never meet.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> with tfl.Session(lazy=True) as s:
@@ -52,11 +55,15 @@ __all__ = ["LazyGrads", "LazyRecording", "materialize"]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
-NodeKey: TypeAlias = tuple[str | None, Attrs, tuple[int, ...], bool, R.Spec]
-"""What a lazy structure keys a node by: ``(op, attrs, parents, requires_grad, spec)``."""
+NodeKey: TypeAlias = tuple["R.OpDef | None", Attrs, tuple[int, ...], bool, R.Spec]
+"""What a lazy structure keys a node by: ``(op definition, attrs, parents, requires_grad, spec)``."""
+
+Structure: TypeAlias = tuple[int, ...]
+"""A recording's key: the intern table's epoch, then one interned id per node."""
 
 _META_IDS: dict[NodeKey, int] = {}  # node meta -> small int, so a structure key is a tuple of ints
 _META_LIMIT = 1 << 20
+_epoch = 0  # how often the table started over: an id means something only within its epoch
 _intern_lock = threading.Lock()
 
 S = TypeVar("S")
@@ -69,13 +76,15 @@ StepFn: TypeAlias = Callable[[list[tuple[Array, ...] | None], list[Array], OptSt
 
 
 def _intern(meta: NodeKey) -> int:
+    global _epoch
     i = _META_IDS.get(meta)
     if i is None:
         with _intern_lock:
-            if len(_META_IDS) >= _META_LIMIT:  # bounded: start over (old keys then simply miss)
+            if len(_META_IDS) >= _META_LIMIT:  # bounded: start over in a new epoch
                 _META_IDS.clear()
                 _PROGRAMS.clear()
                 _CHECKED.clear()
+                _epoch += 1  # after the clear: a reader that saw the old epoch finds it changed and re-keys
             i = _META_IDS.setdefault(meta, len(_META_IDS))
     return i
 
@@ -83,10 +92,11 @@ def _intern(meta: NodeKey) -> int:
 class LazyRecording:
     """The structure key of a lazy session's recording, extended as nodes are first keyed."""
 
-    __slots__ = ("exact", "keys")
+    __slots__ = ("epoch", "exact", "keys")
 
     def __init__(self) -> None:
         self.keys: list[int] = []
+        self.epoch = _epoch  # the intern table's epoch that ``keys`` belong to
         self.exact = False  # the recording holds exact-rational values (NumPy objects): it is computed eagerly
 
     def truncate(self, n: int) -> None:
@@ -94,12 +104,23 @@ class LazyRecording:
         if len(self.keys) > n:
             del self.keys[n:]
 
-    def structure(self, tape: Tape) -> tuple[int, ...]:
-        """The interned structure of ``tape`` (each node keyed once, when first seen)."""
-        keys, n = self.keys, len(tape)
-        for nd in tape.nodes[len(keys) :]:
-            keys.append(_intern((nd.op, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
-        return tuple(keys) if len(keys) == n else tuple(keys[:n])
+    def structure(self, tape: Tape) -> Structure:
+        """The interned structure of ``tape``: its epoch, then each node's id (a node keyed once, when first seen).
+
+        Keys of one structure all come from one epoch of the table: when the table
+        started over since this recording was keyed, or while it keys, it keys every
+        node again.
+        """
+        n = len(tape)
+        while True:
+            epoch = _epoch
+            if self.epoch != epoch:
+                self.keys, self.epoch = [], epoch
+            keys = self.keys
+            for nd in tape.nodes[len(keys) :]:
+                keys.append(_intern((nd.opdef, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
+            if _epoch == epoch:
+                return (epoch, *keys) if len(keys) == n else (epoch, *keys[:n])
 
 
 def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
@@ -122,9 +143,9 @@ def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> T
     it = iter(given)
     for i, nd in enumerate(src):
         if i in pending:
-            assert nd.op is not None
-            entry = R.get_fwd(nd.op, nd.attrs, tuple([src[p].spec for p in nd.parents]))
-            if isinstance(entry, str):  # the op was unregistered or redefined since it was recorded
+            assert nd.opdef is not None
+            entry = R.get_fwd(nd.opdef, nd.attrs, tuple([src[p].spec for p in nd.parents]))  # its own definition
+            if isinstance(entry, str):
                 raise TapeError(f"lazy session: cannot compute node #{i}: {nd.op}: {entry}")
             values.append(entry.fn(*[values[p] for p in nd.parents]))
         else:

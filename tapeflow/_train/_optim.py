@@ -112,12 +112,8 @@ class Optimizer:
         # state structure -> slot_index_tree of it (None: tree_map_params could not map it)
         self._slot_indices: dict[jax.tree_util.PyTreeDef, PyTree] = {}
         self._warned_no_slots = False
-        self.rule = SlotRule(
-            self.tx,
-            tuple(self._slot_specs),
-            None if self._names is None else tuple(self._slot_keys),
-            self.slot_indices,
-            self.describe,
+        self.rule = SlotRule.of(
+            self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
         rule = self.rule
 
@@ -436,14 +432,18 @@ class Optimizer:
             storages = self._slot_storages
             device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
             values = [st.read(device) for st in storages]
-            exact = all(v is st.read_current() for v, st in zip(values, storages))  # single-device cells
+            current = all(v is st.read_current() for v, st in zip(values, storages))
             out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
+        # the fast write replaces each current cell in place, so only where the program's result lives on that
+        # cell's device; a recording over several devices (a mesh-sharded input) hands back values placed by
+        # XLA, which commit installs as it does an eager step's
+        fast = current and all(device_of(nv) == device_of(v) for nv, v in zip(out.values, values))
         try:
             finish(
-                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if exact else None, then=then
+                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if fast else None, then=then
             )
         except BaseException:
             grads.pending = lazy  # as step: a refused step leaves the gradients readable

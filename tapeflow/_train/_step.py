@@ -32,6 +32,7 @@ runs traced. Everything else is here:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import NamedTuple, Protocol, TypeAlias
@@ -48,10 +49,17 @@ from .._shell import _grads
 from .._shell._commit import commit
 from .._shell._params import Storage
 
-__all__ = ["HasState", "SlotParts", "SlotRule", "StepOutcome", "check_parts", "finish", "step"]
+__all__ = ["HasState", "SlotOwner", "SlotParts", "SlotRule", "StepOutcome", "check_parts", "finish", "step"]
 
 SlotParts: TypeAlias = "Sequence[tuple[Array, ...] | None]"
 """For each optimizer slot, the cotangents of its storage's leaves in recording order (None: unused)."""
+
+
+class SlotOwner(Protocol):
+    """What a :class:`SlotRule` asks its optimizer (an :class:`~tapeflow.Optimizer`), through a weak reference."""
+
+    def slot_indices(self, state: OptState | None = None) -> PyTree: ...
+    def describe(self, k: int) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,6 +70,11 @@ class SlotRule:
     is a list); ``slot_indices(state)`` maps each part of an optax state to its
     slot (see :func:`~tapeflow._train._slots.slot_index_tree`); ``describe(k)`` names
     slot ``k`` in error messages.
+
+    A rule holds no optimizer, parameter or value: compiled step programs keep
+    their rule (a lazy session caches them by structure), and a finished
+    optimizer must be freed with everything it holds. :meth:`of` builds the rule
+    of an optimizer, reaching it through a weak reference.
     """
 
     tx: optax.GradientTransformation
@@ -69,6 +82,29 @@ class SlotRule:
     keys: tuple[str | int, ...] | None
     slot_indices: Callable[[OptState], PyTree]
     describe: Callable[[int], str]
+
+    @classmethod
+    def of(
+        cls,
+        owner: SlotOwner,
+        tx: optax.GradientTransformation,
+        specs: tuple[R.Spec, ...],
+        keys: tuple[str | int, ...] | None,
+    ) -> SlotRule:
+        """The rule of optimizer ``owner``, whose ``slot_indices`` and ``describe`` it calls while ``owner`` lives."""
+        ref = weakref.ref(owner)
+
+        def slot_indices(state: OptState) -> PyTree:
+            opt = ref()
+            if opt is None:  # only the owner's steps run its rule, so a traced step always has it
+                raise TapeError("a training step ran for an optimizer that was deleted; step a live Optimizer")
+            return opt.slot_indices(state)
+
+        def describe(k: int) -> str:
+            opt = ref()
+            return f"slot {k}" if opt is None else opt.describe(k)
+
+        return cls(tx, specs, keys, slot_indices, describe)
 
     def tree(self, values: Sequence[object]) -> PyTree:
         """``values`` (one per slot) as the optax params pytree."""
