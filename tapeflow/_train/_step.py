@@ -46,7 +46,7 @@ from .._core import _registry as R
 from .._core._result import TapeError
 from .._core._typing import Array, OptState, PyTree
 from .._shell import _grads
-from .._shell._commit import commit
+from .._shell._commit import commit, traced_write
 from .._shell._params import Storage
 
 __all__ = ["HasState", "SlotOwner", "SlotParts", "SlotRule", "StepOutcome", "check_parts", "finish", "step"]
@@ -224,6 +224,8 @@ def finish(
     ``restore_on_refusal`` (a program whose inputs were donated) first puts the
     old values the program handed back into the storages, so they stay readable.
     """
+    if isinstance(out.finite, jax.core.Tracer):  # the step ran inside a jax transformation: nothing to write
+        raise traced_write(where, "the step's result")
     bad = refused(out.finite)
     if bad is not None:
         if restore_on_refusal:
