@@ -21,6 +21,7 @@ which :func:`~tapeflow.train_step` traces into its program.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -115,13 +116,8 @@ class Optimizer:
         self.rule = SlotRule.of(
             self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
-        rule = self.rule
-
-        def run(parts: SlotParts, values: Sequence[Array], state: OptState, check_finite: bool) -> StepOutcome:
-            return _step.step(rule, parts, values, state, check_finite)
-
         # compiled once per structure of the parts (which slots are used, how many leaves each has)
-        self._step_fn = jax.jit(run, static_argnums=3)
+        self._step_fn = jax.jit(functools.partial(_step.step, self.rule), static_argnames="check_finite")
         self._lazy_steps: dict[bool, StepFn] = {}
         self.state: OptState = self.tx.init(self.param_tree())
 
@@ -347,7 +343,7 @@ class Optimizer:
             None if not m else ((jnp.zeros(self.rule.specs[k][0], self.rule.specs[k][1]) if g is None else g),)
             for k, (g, m) in enumerate(zip(grads, mask))
         ]
-        out = self._step_fn(parts, list(values), state, False)
+        out = self._step_fn(parts, list(values), state, check_finite=False)
         return out.values, out.state
 
     def step(self, grads: GradsLike, *, check_finite: bool | None = None) -> None:
@@ -402,7 +398,7 @@ class Optimizer:
                 parts = [None if g is None else (grads.group_value(g),) for g in groups]
             else:
                 parts = [None if p is None else (sum_in_leaf_order(p),) for p in parts]
-            out = self._step_fn(parts, values, self.state, check)
+            out = self._step_fn(parts, values, self.state, check_finite=check)
         except BaseException:
             if isinstance(grads, Grads):
                 grads.consume(mine)  # a failed update still lets go of the gradients it used
@@ -452,15 +448,13 @@ class Optimizer:
         return True
 
     def _lazy_step_fn(self, check_finite: bool) -> StepFn:
-        """:func:`tapeflow._train._step.step` for this layout as a function of ``(parts, values, state)``; one object per flag."""
+        """:func:`tapeflow._train._step.step` for this layout as ``fn(parts, values, state)``: one object per flag.
+
+        A lazy session keys its step programs by this object, so it must stay the same between steps.
+        """
         fn = self._lazy_steps.get(check_finite)
         if fn is None:
-            rule = self.rule
-
-            def run(parts: SlotParts, values: Sequence[Array], state: OptState) -> StepOutcome:
-                return _step.step(rule, parts, values, state, check_finite)
-
-            fn = self._lazy_steps[check_finite] = run
+            fn = self._lazy_steps[check_finite] = functools.partial(_step.step, self.rule, check_finite=check_finite)
         return fn
 
     def __repr__(self) -> str:
