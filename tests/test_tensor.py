@@ -491,3 +491,12 @@ class TestIteration:
         with tfl.Session() as s:
             with pytest.raises(TypeError, match="0-d"):
                 iter(s.input(jnp.array(1.0)))
+
+
+def test_int_of_a_tensor_is_exact_for_64_bit_integers():
+    """int(t) reads the integer itself: 2**53 + 1 does not round through a float (issue 21, low)."""
+    with jax.enable_x64(True):
+        s = tfl.Session()
+        big = 2**53 + 1
+        assert int(s.input(np.array(big, np.int64))) == big
+        assert int(s.input(np.array(-7.9, np.float64))) == -7  # floats still truncate toward zero, as int() does

@@ -370,7 +370,7 @@ class Tensor(TensorOps):
         return float(self._scalar("float"))
 
     def __int__(self) -> int:
-        return int(float(self._scalar("int")))
+        return int(self._scalar("int"))  # exact for integers (no detour through a float's 53 bits)
 
     def __bool__(self) -> bool:
         return bool(self._scalar("bool"))
