@@ -6,7 +6,19 @@ every call style (``tfl.<op>``, ``tfl.apply``, ``Session.apply``, operators); ra
 registry ops with random (valid and invalid) attributes and operands, including handles
 of other sessions and of old generations; ``backward``; ``Optimizer.step``; compiled
 ``train_step`` calls; RNG draws and ``set_rng_state``; ``dropout``; direct Param
-assignment; ``save`` / ``restore``.
+assignment; ``save`` / ``restore``. Also (issue 21): lazy sessions (``Session(lazy=True)``, in the same pool
+as eager ones, so every rule runs on both and each is checked against the same plain-JAX model);
+``Session(compute_dtype=bfloat16/float16)`` (values and float32 gradients against ``jax.grad`` with the
+casts written out); a ``BatchNorm1d`` in train and eval mode on eager, lazy, inference and bfloat16
+sessions (output, running statistics and their dtypes, gradients against ``jax.grad`` of a plain-JAX
+BatchNorm, ``assign_state`` writes, a refused step putting the statistics back); a user op redefined
+with ``tfl.lift`` / ``tfl.defop(..., replace=True)`` while a recording (lazy: still uncomputed) holds its
+nodes, which must keep their definition in values and every later backward; ``backward(wrt=[h])``
+(interior cotangents against ``jax.grad`` taking ``h`` as an input; a handle that needs no gradient is
+refused); two optimizers over disjoint Params stepping on one ``Grads``; ``restore`` with a session of
+another thread (refused, nothing changed) and interrupted by SIGINT while reading (nothing changed) or
+writing (delivered after the whole install); ``train_step`` and ``Optimizer.step`` under ``jax.jit`` /
+``jax.vmap`` (a ``TapeError``, nothing changed, the gradients still readable).
 
 The model, maintained next to the library:
 
@@ -30,7 +42,7 @@ that depends on what is held, not on the number of steps. Every rejected call (a
 Python type) is checked to have changed nothing: the tape object (``is``), its length,
 RNG counters, generations, Param values, optimizer states and the kernel caches.
 
-Profiles: the default (CI) settings below (30 examples) run in about 45 s alone on two cores, and two
+Profiles: the default (CI) settings below (25 examples) run in about 50 s alone on two cores, and two
 to three times that late in the full suite, whose large heap slows each example's live-array checks;
 ``pytest tests/test_fuzz_session.py --hypothesis-profile=long`` (registered in
 ``tests/conftest.py``) runs for about ten minutes.
@@ -88,10 +100,11 @@ MAX_PENDING = 2
 MAX_STEPS = 3
 LIVE_SLACK = 96
 _FIRST_LIVE: list[int] = []  # live arrays at the start of the first example (cross-example leak check)
-# the live arrays the previous example added (counted at its teardown): Hypothesis keeps that example's drawn
-# values (records, handles, sessions, steps) until the next one has started, so up to that many may still be
-# alive when the next example begins; a leak that grows with the number of examples still exceeds the bound
-_LAST_HELD: list[int] = [0]
+# the live arrays each of the last examples added (counted at its teardown): Hypothesis keeps recent examples'
+# drawn values (records, handles, sessions, steps) for a while after they end (one example's footprint was not
+# enough in the long profile: 163 live > 132), so up to the last three footprints may still be alive when an
+# example begins; a leak that grows with the number of examples still exceeds the bound
+_LAST_HELD: list[int] = [0, 0, 0]
 # A train_step called with no arguments under jax.vmap(lambda _: step()) sees no tracer: it runs once, outside
 # the transformation, and writes (its result is broadcast); jit and vmap over its arguments are refused.
 KNOWN_BUG_VMAP_UNBATCHED_STEP = True
@@ -592,7 +605,7 @@ class SessionFuzz(RuleBasedStateMachine):
         # live arrays at the start of each example must not grow with the number of examples run before
         if not _FIRST_LIVE:
             _FIRST_LIVE.append(self.live0)
-        bound = _FIRST_LIVE[0] + LIVE_SLACK + _LAST_HELD[0]
+        bound = _FIRST_LIVE[0] + LIVE_SLACK + sum(_LAST_HELD)
         assert self.live0 <= bound, f"{self.live0} live arrays before this example (bound {bound}): " + str(
             sorted({(a.shape, str(a.dtype)): 0 for a in jax.live_arrays()})[:40]
         )
@@ -1858,7 +1871,7 @@ class SessionFuzz(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         gc.collect()
-        _LAST_HELD[0] = max(0, len(jax.live_arrays()) - self.live0)
+        _LAST_HELD[:] = [*_LAST_HELD[1:], max(0, len(jax.live_arrays()) - self.live0)]
         tfl.set_kernel_cache_size(self.cache_size0)
         if USER_OP in R.REGISTRY:  # the next example starts with the registry (and tfl.ops()) as it was
             R.unregister(USER_OP)
@@ -1875,7 +1888,7 @@ _SUPPRESS.append(HealthCheck.large_base_example)
 if settings.get_current_profile_name().startswith("long"):
     _SETTINGS = settings(deadline=None, suppress_health_check=_SUPPRESS)  # everything else from the profile
 else:
-    _SETTINGS = settings(max_examples=30, stateful_step_count=35, deadline=None, suppress_health_check=_SUPPRESS)
+    _SETTINGS = settings(max_examples=25, stateful_step_count=35, deadline=None, suppress_health_check=_SUPPRESS)
 
 TestSessionFuzz = SessionFuzz.TestCase
 TestSessionFuzz.settings = _SETTINGS
