@@ -52,7 +52,7 @@ def test_shared_linear_in_sequential_listed_once():
 
     opt = tfl.Optimizer(optax.adam(1e-3), model)
     assert len(opt.params) == 4
-    assert [st is p.storage for st, p in zip(opt.params, model.parameters())] == [True] * 4
+    assert [q is p for q, p in zip(opt.params, model.parameters())] == [True] * 4
     mu = opt.state[0].mu
     assert sorted(mu) == sorted(n for n, _ in model.named_parameters())
 
@@ -84,7 +84,7 @@ def test_embedding_with_tied_output_dedup():
 
     opt = tfl.Optimizer(optax.adam(1e-3), m)
     assert len(opt.params) == 5
-    assert opt.params[0] is m.embed.weight.storage
+    assert opt.params[0] is m.embed.weight and opt.storages[0] is m.embed.weight.storage
     # a pytree of Params with each storage once is accepted by value_and_grad
     loss, g = tfl.value_and_grad(lambda s, ids: tfl.sum(m(ids)))(m.param_dict(), jnp.array([1, 2]))
     assert sorted(g) == sorted(names)  # a dict pytree comes back with sorted keys (JAX convention)

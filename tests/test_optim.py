@@ -192,7 +192,8 @@ def test_state_has_one_slot_per_storage_in_first_registration_order():
     Wt = tfl.tie(W, name="W_tied")
     V = tfl.Param(np.zeros((2,), F32), name="V")
     opt = tfl.Optimizer(optax.adam(1e-2), [W, c, Wt, V, c])
-    assert opt.params == [W.storage, c.storage, V.storage]
+    assert opt.storages == [W.storage, c.storage, V.storage]
+    assert [p is q for p, q in zip(opt.params, [W, c, V])] == [True] * 3
     assert opt.alias_layout == [0, 1, 0, 3, 1]
     mu = _mu(opt.state).mu
     assert isinstance(mu, list) and [m.shape for m in mu] == [(D, H), (H,), (2,)]
@@ -200,7 +201,7 @@ def test_state_has_one_slot_per_storage_in_first_registration_order():
     opt_d = tfl.Optimizer(optax.adam(1e-2), {"W": W, "c": c, "W_tied": Wt})
     mu_d = _mu(opt_d.state).mu
     assert set(mu_d) == {"W", "c"}
-    assert opt_d.params == [W.storage, c.storage]
+    assert opt_d.storages == [W.storage, c.storage] and [p.name for p in opt_d.params] == ["W", "c"]
     assert isinstance(opt_d.param_tree(), dict) and set(opt_d.param_tree()) == {"W", "c"}
 
 
@@ -616,7 +617,7 @@ def test_alias_layout_change_requires_reinit():
             opt.step(s.backward(tfl.sum(p * q)))
     _assert_snapshot_equal(before, _snapshot(opt, [p]))
     opt.reinit()
-    assert opt.params == [p.storage] and len(_mu(opt.state).mu) == 1
+    assert opt.storages == [p.storage] and opt.params[0] is p and len(_mu(opt.state).mu) == 1
     assert int(_mu(opt.state).count) == 0
     with tfl.Session() as s:
         opt.step(s.backward(tfl.sum(p * q)))
@@ -907,7 +908,8 @@ def test_public_views_of_the_slots():
     W, c, V = _three_params()
     Wt = tfl.tie(W, name="W_tied")
     opt = tfl.Optimizer(optax.sgd(0.1), {"W": W, "W_tied": Wt, "c": c, "V": V})
-    assert opt.storages == opt.params == [W.storage, c.storage, V.storage]
+    assert opt.storages == [W.storage, c.storage, V.storage]
+    assert [p is q for p, q in zip(opt.params, [W, c, V])] == [True] * 3 and len(opt.params) == 3
     assert opt.slot_keys == ["W", "c", "V"]
     assert opt.describe(0) == repr(W) and opt.describe(2) == repr(V)
     tree = opt.param_tree([1, 2, 3])

@@ -162,7 +162,7 @@ def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str |
     for i, p in enumerate(regs):
         first.setdefault(id(p.storage), i)
     out = []
-    for k, st in enumerate(optimizer.params):
+    for k, st in enumerate(optimizer.storages):
         j = first.get(id(st))
         if j is None:
             rec = next((p for p in optimizer.records if p.storage is st), st)

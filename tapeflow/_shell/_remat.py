@@ -367,7 +367,7 @@ def _register(core: _Core) -> None:
         attrs={"trace": R.REQUIRED, "output": 0},
         check=check,
         public=False,
-        user=core.block,
+        user=live,  # a user op whose source holds the core weakly: cached kernels keep their OpDef, never the block
         precision="layout",
     )(forward)
     d.defvjp(vjp)

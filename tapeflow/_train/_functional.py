@@ -415,9 +415,10 @@ class TrainStep:
 
     def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
-            # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
-            raise traced_write("train_step", "its batch")
+        for x in jax.tree_util.tree_leaves((args, kwargs)):  # a loop, not a generator: no frame per call
+            if isinstance(x, jax.core.Tracer):
+                # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
+                raise traced_write("train_step", "its batch")
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state

@@ -61,9 +61,9 @@ class Optimizer:
     ``named_parameters()`` (its trainable ones: state cells such as BatchNorm's
     running statistics and frozen Params get no optimizer slot).
 
-    * ``opt.storages`` (alias ``opt.params``): the canonical storages, in
-      first-registration order (one per slot); ``opt.slot_keys`` their keys in
-      the optax params pytree.
+    * ``opt.storages``: the canonical storages, in first-registration order
+      (one per slot); ``opt.params`` the first Param registered for each;
+      ``opt.slot_keys`` their keys in the optax params pytree.
     * ``opt.state``: the plain optax state pytree.
     * ``opt.step(grads, check_finite=False)``: one update per used storage.
     * ``opt.update(values, state, grads, used)``: the same update as a pure,
@@ -132,9 +132,22 @@ class Optimizer:
         return list(self._slot_storages)
 
     @property
-    def params(self) -> list[Storage]:
-        """Alias of :attr:`storages`."""
-        return list(self._slot_storages)
+    def params(self) -> list[Param]:
+        """The Params the optimizer updates, one per slot: the first registration of each storage, in slot order.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> emb = tfl.Param(jnp.ones(2), name="emb")
+        >>> opt = tfl.Optimizer(optax.sgd(0.1), [emb, tfl.tie(emb, name="out")])
+        >>> [p.name for p in opt.params], opt.params[0].storage is opt.storages[0]
+        (['emb'], True)
+        """
+        first = {id(st): k for k, st in enumerate(self._slot_storages)}
+        out: list[Param | None] = [None] * len(self._slot_storages)
+        for p in self._records:
+            k = first.get(id(p.storage))
+            if k is not None and out[k] is None:
+                out[k] = p
+        return [p for p in out if p is not None]
 
     @property
     def slot_keys(self) -> list[SlotKey]:
