@@ -63,3 +63,23 @@ class Switch:
         if self.on:
             raise RuntimeError("injected failure inside the update")
         return np.asarray(x)
+
+
+PATHS = ["eager", "lazy", "train_step"]
+"""The three ways to run a training step; a test parametrized over them checks one behaviour on every path."""
+
+
+def one_step(path, loss_fn, opt, *, compute_dtype=None, steps=None):
+    """One training step of ``loss_fn(session)`` on ``path``; returns the loss value.
+
+    ``steps`` (a list) receives the ``TrainStep`` of the ``train_step`` path, to read its counters.
+    """
+    if path == "train_step":
+        step = tfl.train_step(lambda s: loss_fn(s), opt, compute_dtype=compute_dtype)
+        if steps is not None:
+            steps.append(step)
+        return step()
+    with tfl.Session(lazy=path == "lazy", compute_dtype=compute_dtype) as s:
+        loss = loss_fn(s)
+        opt.step(s.backward(loss))
+        return loss.value

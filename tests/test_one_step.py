@@ -11,23 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import PATHS, one_step
 
 import tapeflow as tfl
 from tapeflow._train import _step
-
-PATHS = ["eager", "lazy", "train_step"]
-
-
-def _run(path: str, loss_fn, opt: tfl.Optimizer, steps: list | None = None) -> None:
-    """One training step of ``loss_fn(session)`` on ``path``; ``steps`` keeps a train_step to read its counters."""
-    if path == "train_step":
-        step = tfl.train_step(lambda s: loss_fn(s), opt)
-        if steps is not None:
-            steps.append(step)
-        step()
-        return
-    with tfl.Session(lazy=path == "lazy") as s:
-        opt.step(s.backward(loss_fn(s)))
 
 
 def _snapshot(params, opt):
@@ -61,7 +48,7 @@ def test_an_update_that_changes_a_parameters_shape_is_refused_with_nothing_chang
     before = _snapshot([w], opt)
     steps: list = []
     with pytest.raises(tfl.TapeError, match=r"turns Param\('w'.*float32\[2,3\].*keeps its shape and dtype"):
-        _run(path, lambda s: tfl.sum(w * w), opt, steps)
+        one_step(path, lambda s: tfl.sum(w * w), opt, steps=steps)
     assert w.shape == (3,) and w.value.shape == (3,)
     _same(before, _snapshot([w], opt))
     if steps:
@@ -78,13 +65,13 @@ def test_check_finite_refuses_a_tied_sum_that_overflows_with_nothing_changed(pat
     c = np.full(2, 60000.0, np.float16)
     steps: list = []
     with pytest.raises(tfl.TapeError, match=r"non-finite gradient for Param\('w'.*nothing was updated"):
-        _run(path, lambda s: tfl.sum(w * s.input(c)) + tfl.sum(w_out * s.input(c)), opt, steps)
+        one_step(path, lambda s: tfl.sum(w * s.input(c)) + tfl.sum(w_out * s.input(c)), opt, steps=steps)
     _same(before, _snapshot([w], opt))
     assert np.isfinite(np.asarray(w.value, np.float32)).all()
     if steps:
         assert steps[0].step_count == 0
     # the same optimizer still steps once the gradient is finite
-    _run(path, lambda s: tfl.sum(w * s.input(np.ones(2, np.float16))), opt)
+    one_step(path, lambda s: tfl.sum(w * s.input(np.ones(2, np.float16))), opt)
     assert not np.array_equal(np.asarray(w.value), before[0][0])
 
 
@@ -100,7 +87,7 @@ def test_every_path_runs_the_one_step(path, monkeypatch):
     monkeypatch.setattr(_step, "step", spy)
     w = tfl.Param(jnp.array([1.0, 2.0], jnp.float32), name="w")
     opt = tfl.Optimizer(optax.sgd(0.5), [w, tfl.tie(w)])  # a new optimizer: every path traces its step anew
-    _run(path, lambda s: tfl.sum(w * w), opt)
+    one_step(path, lambda s: tfl.sum(w * w), opt)
     assert calls, f"the {path} path did not run tapeflow._train._step.step"
     np.testing.assert_allclose(np.asarray(w.value), [0.0, 0.0])  # w - 0.5 * 2w
 
@@ -113,7 +100,7 @@ def test_a_step_run_under_a_jax_transformation_writes_no_tracer(path):
     before = _snapshot([w], opt)
 
     def traced(x):
-        _run(path, lambda s: tfl.sum(w * x), opt)
+        one_step(path, lambda s: tfl.sum(w * x), opt)
         return x
 
     with pytest.raises(tfl.TapeError, match="traced by JAX"):
@@ -203,7 +190,7 @@ def test_a_finite_checked_step_under_jit_is_refused_with_a_tape_error(path):
     before = _snapshot([w], opt)
 
     def traced(x):
-        _run(path, lambda s: tfl.sum(w * s.input(x)), opt)
+        one_step(path, lambda s: tfl.sum(w * s.input(x)), opt)
         return x
 
     with pytest.raises(tfl.StateWriteError, match="traced by JAX"):

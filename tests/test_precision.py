@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import PATHS, one_step
 
 import tapeflow as tfl
 from tapeflow import TapeError
@@ -200,19 +201,6 @@ def test_each_op_declares_the_dtype_it_computes_in():
     assert "test_precision_bad" not in tfl.REGISTRY
 
 
-PATHS = ["eager", "lazy", "train_step"]
-
-
-def _one_step(path, loss_fn, opt, compute_dtype):
-    """One training step of ``loss_fn(session)`` on ``path`` under the policy ``compute_dtype``."""
-    if path == "train_step":
-        return tfl.train_step(lambda s: loss_fn(s), opt, compute_dtype=compute_dtype)()
-    with tfl.Session(lazy=path == "lazy", compute_dtype=compute_dtype) as s:
-        loss = loss_fn(s)
-        opt.step(s.backward(loss))
-        return loss.value
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_scalar_arithmetic_computes_in_float32_so_a_float16_loss_scale_of_2_16_stays_finite(path):
     """``loss * 2.0**16`` is inf in float16; all-scalar operands compute in float32 on every path."""
@@ -222,7 +210,9 @@ def test_scalar_arithmetic_computes_in_float32_so_a_float16_loss_scale_of_2_16_s
     opt = tfl.Optimizer(tx, [w])
     x = np.full((4, 3), 0.1, F32)
     before = np.asarray(w.value)
-    scaled = _one_step(path, lambda s: tfl.mean(s.input(x) @ w) * jnp.asarray(scale, jnp.float32), opt, jnp.float16)
+    scaled = one_step(
+        path, lambda s: tfl.mean(s.input(x) @ w) * jnp.asarray(scale, jnp.float32), opt, compute_dtype=jnp.float16
+    )
     assert scaled.dtype == F32 and np.isfinite(float(scaled))
     assert int(opt.state.notfinite_count) == 0  # the finite step was taken
     g = jax.grad(lambda v: jnp.mean(x @ v))(before)
@@ -242,7 +232,7 @@ def test_dynamic_loss_scale_grows_past_2_15_under_float16_and_skips_no_finite_st
     x = np.full((4, 3), 0.1, F32)
     ref_w = np.asarray(w.value)
     for _ in range(3):
-        _one_step(path, lambda s: tfl.mean((s.input(x) @ w) ** 2.0) * opt.state.scale, opt, jnp.float16)
+        one_step(path, lambda s: tfl.mean((s.input(x) @ w) ** 2.0) * opt.state.scale, opt, compute_dtype=jnp.float16)
         ref_w = ref_w - 0.1 * np.asarray(jax.grad(lambda v: jnp.mean((x @ v) ** 2))(ref_w))
         np.testing.assert_allclose(np.asarray(w.value), ref_w, atol=1e-3)
     assert float(opt.state.scale) == 2.0**18 and int(opt.state.skipped) == 0

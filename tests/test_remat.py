@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import PATHS, one_step
 
 import tapeflow as tfl
 from tapeflow import TapeError
@@ -581,23 +582,12 @@ def test_a_collected_wrapper_unregisters_its_op_and_tolerates_one_removed_by_han
 
 # --------------------------------------------------------------------------- mixed precision and state
 
-PATHS = ["eager", "lazy", "train_step"]
 F32 = np.float32
 BF16 = np.dtype(jnp.bfloat16)
 
 
 def _f32(shape, seed):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * 0.5, F32)
-
-
-def _step(path, loss_fn, opt, compute_dtype=None):
-    """One training step of ``loss_fn(session)`` on ``path``; returns the loss."""
-    if path == "train_step":
-        return tfl.train_step(lambda s: loss_fn(s), opt, compute_dtype=compute_dtype)()
-    with tfl.Session(lazy=path == "lazy", compute_dtype=compute_dtype) as s:
-        loss = loss_fn(s)
-        opt.step(s.backward(loss))
-        return loss.value
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -618,7 +608,7 @@ def test_a_block_under_a_compute_dtype_records_and_recomputes_under_the_same_pol
             return tfl.mean(tfl.tanh(h @ v) ** 2.0)
 
         opt = tfl.Optimizer(optax.sgd(0.5), [w, b, v])
-        loss = _step(path, loss_fn, opt, jnp.bfloat16)
+        loss = one_step(path, loss_fn, opt, compute_dtype=jnp.bfloat16)
         assert seen == [BF16] and loss.dtype == F32
         if name == "checkpoint":
             assert blk.trace_count == 2  # a float32 input, then the first block's bfloat16 output
@@ -651,9 +641,9 @@ def test_a_checkpointed_train_mode_batchnorm_is_refused_with_nothing_written(pat
     before = [np.asarray(p.value).copy() for p in cells]
     x = _f32((4, 3), 7)
     with pytest.raises(TapeError, match=r"running_mean.*written inside checkpoint\(.*<lambda>\).*cannot update state"):
-        _step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
+        one_step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
     for p, old in zip(cells, before):
         np.testing.assert_array_equal(np.asarray(p.value), old)
     bn.eval()  # what the message offers: in eval mode the block writes no state and is accepted
-    _step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
+    one_step(path, lambda s: tfl.sum(ck(s.input(x))), opt)
     assert int(bn.num_batches_tracked.value) == 0
