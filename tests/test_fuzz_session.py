@@ -1902,7 +1902,10 @@ _SUPPRESS.append(HealthCheck.large_base_example)
 if settings.get_current_profile_name().startswith("long"):
     _SETTINGS = settings(deadline=None, suppress_health_check=_SUPPRESS)  # everything else from the profile
 else:
-    _SETTINGS = settings(max_examples=25, stateful_step_count=35, deadline=None, suppress_health_check=_SUPPRESS)
+    # derandomized: CI checks one fixed set of examples (the long profile explores); see the issue notes for its finds
+    _SETTINGS = settings(
+        max_examples=25, stateful_step_count=35, deadline=None, suppress_health_check=_SUPPRESS, derandomize=True
+    )
 
 TestSessionFuzz = SessionFuzz.TestCase
 TestSessionFuzz.settings = _SETTINGS
