@@ -385,9 +385,20 @@ def matmul(x: Array, y: Array) -> Array:
     return x @ y
 
 
+def _contract(a: Array, b: Array, a_axes: tuple[int, ...], b_axes: tuple[int, ...]) -> Array:
+    """``a`` and ``b`` contracted over the given axes, with no transposed copy of either (``lax.dot_general``).
+
+    A VJP written ``x.T @ g`` makes XLA materialize ``x.T`` first; ``dot_general`` reads both operands as they
+    are. The result's axes are ``a``'s free axes, then ``b``'s.
+    """
+    return jax.lax.dot_general(a, b, ((a_axes, b_axes), ((), ())))
+
+
 @matmul.defvjp
 def _matmul_vjp(g: Array, out: Array, x: Array, y: Array) -> tuple[Array, Array]:
     xp = xp_of(g)
+    if xp is jnp and x.ndim == 2 and y.ndim == 2:  # (m, k) @ (k, n): g (m, n)
+        return _contract(g, y, (1,), (1,)), _contract(x, g, (0,), (0,))
     if x.ndim == 1 and y.ndim == 1:  # inner product: g is a scalar
         return g * y, g * x
     x2 = x if x.ndim > 1 else x[None, :]
@@ -428,8 +439,9 @@ def linear(x: Array, w: Array, b: Array = None) -> Array:
 
 @linear.defvjp
 def _linear_vjp(g: Array, out: Array, x: Array, w: Array, b: Array = None) -> tuple[Array, ...]:
-    gx = g @ w.T
-    gw = jnp.reshape(x, (-1, x.shape[-1])).T @ jnp.reshape(g, (-1, g.shape[-1]))
+    gx = _contract(g, w, (g.ndim - 1,), (1,))  # g @ w.T
+    lead = tuple(range(x.ndim - 1))
+    gw = _contract(x, g, lead, lead)  # x.T @ g over every leading axis: (in, out)
     if b is None:
         return gx, gw
     return gx, gw, unbroadcast(g, b.shape)

@@ -37,6 +37,7 @@ every structure names the table's epoch, so ids of two epochs never meet.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeAlias, TypeVar
@@ -265,20 +266,27 @@ class LazyGrads:
         """
         pending, given = _split(self.tape)
         slots = tuple(slot_leaves)
+        # a slot whose current value is its first leaf's snapshot (the usual step) is passed once, as that leaf
+        nodes = self.tape.nodes
+        alias = tuple(
+            -1 if ls is None or nodes[ls[0]].value is not v else ls[0] - bisect.bisect_left(pending, ls[0])
+            for ls, v in zip(slots, values)
+        )
+        rest = [v for v, a in zip(values, alias) if a < 0]
 
         def build() -> Callable[[list[Array], Array | None, list[Array], OptState], tuple[S, Array]]:
             skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-            def program(
-                given: list[Array], seed: Array | None, values: list[Array], state: OptState
-            ) -> tuple[S, Array]:
+            def program(given: list[Array], seed: Array | None, rest: list[Array], state: OptState) -> tuple[S, Array]:
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
+                others = iter(rest)
+                values = [given[a] if a >= 0 else next(others) for a in alias]
                 return step_fn(parts, values, state), value
 
             return jax.jit(program)
 
-        key = self._key("step", pending, slots, step_fn)
-        out, root = _program(key, build)(given, self.seed, values, state)
+        key = self._key("step", pending, slots, alias, step_fn)
+        out, root = _program(key, build)(given, self.seed, rest, state)
         self._set_root(root)
         return out
