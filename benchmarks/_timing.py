@@ -19,6 +19,22 @@ import jax
 import numpy as np
 
 
+def pin_to_one_core() -> int | None:
+    """Run this process (and the threads XLA starts) on one CPU, so every system timed shares one core.
+
+    XLA on CPU uses a second core even when told to run single-threaded; PyTorch is set to one thread.
+    Returns the core, or None where the platform cannot pin.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    core = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+pin_to_one_core()  # every benchmark imports this module before it times anything
+
+
 def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_gc: bool = True) -> float:
     """Best over ``k`` repeats of the mean time of ``n`` calls of ``call``, in seconds per call.
 
