@@ -32,7 +32,8 @@ def pin_to_one_core() -> int | None:
     return core
 
 
-pin_to_one_core()  # every benchmark imports this module before it times anything
+if sys.argv and Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent:
+    pin_to_one_core()  # a benchmark script imports this before it times anything (a test importing it is not pinned)
 
 
 def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_gc: bool = True) -> float:
