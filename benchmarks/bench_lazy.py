@@ -16,12 +16,15 @@ Adam (lr 1e-3) and float32. Models:
 * the char-level LM of ``examples/char_lm.py`` (tied embedding, 2 blocks of 64, context 48,
   batch 32; overhead-bound).
 
-Targets: lazy within 1.3x of ``train_step`` on every model; at most 0.5x PyTorch eager
-on the three overhead-bound ones; at most 3 us of Python per recorded op (measured by
-recording a lazy forward without computing it).
+Targets (issue 22): lazy at most 1.15x ``train_step`` on every model and at most 0.45x
+PyTorch eager on the three overhead-bound ones; eager (non-lazy) sessions at most 0.75x
+PyTorch eager on the two overhead-bound MLPs and at most 1.0x on every other model; at
+most 1.5 us of Python per recorded op in a replayed lazy step (the second and later
+recordings of the same forward) and at most 3 us in a fresh one (recorded, never computed).
 
-Timing is min-of-k (best of ``k`` repeats, each the mean over ``n`` steps); times are
-printed, never asserted. XLA runs single-threaded like PyTorch.
+Timing is min-of-k (best of ``k`` repeats, each the mean over ``n`` steps), the variants of
+one model interleaved repeat by repeat so machine noise hits them alike; times are printed,
+never asserted. XLA runs single-threaded like PyTorch.
 
 Usage::
 
@@ -60,9 +63,12 @@ except ImportError:  # pragma: no cover - torch is a dev dependency
     torch = None
 
 LR = 1e-3
-TARGET_VS_TRAIN_STEP = 1.3
-TARGET_VS_TORCH = 0.5
-TARGET_US_PER_OP = 3.0
+TARGET_VS_TRAIN_STEP = 1.15
+TARGET_VS_TORCH = 0.45
+TARGET_EAGER_VS_TORCH_OVERHEAD_MLP = 0.75  # the two overhead-bound MLPs
+TARGET_EAGER_VS_TORCH = 1.0  # every other model
+TARGET_US_PER_OP_REPLAYED = 1.5
+TARGET_US_PER_OP_FRESH = 3.0
 LM = {"vocab": 80, "context": 48, "dim": 64, "heads": 4, "layers": 2, "batch": 32}
 
 
@@ -272,26 +278,47 @@ def tapeflow_step(m: Any, variant: str) -> tuple[Callable[[], Any], Callable[...
     return step, loss_fn, opt
 
 
-def record_cost(m: Any) -> tuple[float, int, int]:
+def record_cost(m: Any, fresh: bool) -> tuple[float, int, int]:
     """Seconds of Python per recorded op of a lazy forward (recorded, never computed), the op count and the
-    node count (ops plus the leaves they record: inputs, one per Param use, constants)."""
+    node count (ops plus the leaves they record: inputs, one per Param use, constants).
+
+    ``fresh=False``: one session records the same forward again and again, so every recording after the
+    first replays the last one (``tapeflow._shell._replay``); ``fresh=True``: a new session per recording."""
     ps = m.params()
     loss_fn = m.make_loss(ps)
     x, y = jnp.asarray(m.x), jnp.asarray(m.y)
     s = tfl.Session(lazy=True)
     with s.as_current():
         loss_fn(s, x, y)
-        ops = sum(nd.op is not None for nd in s._tape._buf.nodes[: len(s._tape)])
-        nodes = len(s._tape)
+        recording = s.recording
+        ops = sum(nd.op is not None for nd in recording.nodes)
+        nodes = len(recording)
     s.reset()
+    box = [s]
 
     def record() -> None:
-        with s.as_current():
-            loss_fn(s, x, y)
-        s.reset()
+        if fresh:
+            box[0] = tfl.Session(lazy=True)
+        with box[0].as_current():
+            loss_fn(box[0], x, y)
+        box[0].reset()
 
     t = min_of_k(record, 50, 5)
+    if fresh:  # the session's creation is not recording: take it out
+        t -= min_of_k(lambda: tfl.Session(lazy=True), 50, 5)
     return t / ops, ops, nodes
+
+
+def _timed(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
+    """Best time per step of each variant, the variants' repeats interleaved (two warm-up steps each)."""
+    for step in steps.values():
+        jax.block_until_ready(step())
+        jax.block_until_ready(step())
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(k):
+        for name, step in steps.items():
+            best[name] = min(best[name], min_of_k(step, n, 1, warmup=0))
+    return best
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -302,38 +329,46 @@ def main(argv: list[str] | None = None) -> Results:
     n, k = (5, 2) if args.quick else (30, 5)
     res = Results("bench_lazy", quick=args.quick)
     print(f"tapeflow {tfl.__version__}, jax {jax.__version__}, torch {None if torch is None else torch.__version__}")
-    print(f"{'model':30s} {'eager':>11s} {'lazy':>11s} {'train_step':>11s} {'pytorch':>11s}  lazy/ts  lazy/torch")
+    print(
+        f"{'model':30s} {'eager':>11s} {'lazy':>11s} {'train_step':>11s} {'pytorch':>11s}  lazy/ts  lazy/torch"
+        "  eager/torch"
+    )
     for m in models():
-        times: dict[str, float] = {}
-        for variant in ("eager", "lazy", "train_step"):
-            step, _, _ = tapeflow_step(m, variant)
-            times[variant] = min_of_k(step, n, k, warmup=2)
+        steps: dict[str, Callable[[], Any]] = {v: tapeflow_step(m, v)[0] for v in ("eager", "lazy", "train_step")}
         tstep = m.torch_step()
         if tstep is not None:
-            times["pytorch"] = min_of_k(tstep, n, k, warmup=2)
+            steps["pytorch"] = tstep
+        times = _timed(steps, n, k)
         for variant, t in times.items():
             res.add(TRAIN_SECTION, m.name, variant, t, baseline=None if variant == "train_step" else "train_step")
         vs_ts = times["lazy"] / times["train_step"]
         vs_torch = times["lazy"] / times["pytorch"] if "pytorch" in times else float("nan")
+        eager_vs_torch = times["eager"] / times["pytorch"] if "pytorch" in times else float("nan")
         cells = " ".join(
             fmt(times[v]) if v in times else f"{'-':>11s}" for v in ("eager", "lazy", "train_step", "pytorch")
         )
-        print(f"{m.name:30s} {cells}  {vs_ts:6.2f}x  {vs_torch:6.2f}x")
+        print(f"{m.name:30s} {cells}  {vs_ts:6.2f}x  {vs_torch:6.2f}x  {eager_vs_torch:6.2f}x")
         ok = vs_ts <= TARGET_VS_TRAIN_STEP and (not m.overhead_bound or vs_torch <= TARGET_VS_TORCH)
+        eager_target = (
+            TARGET_EAGER_VS_TORCH_OVERHEAD_MLP if m.overhead_bound and isinstance(m, MLP) else TARGET_EAGER_VS_TORCH
+        )
         print(
             f"{'':30s} target lazy <= {TARGET_VS_TRAIN_STEP}x train_step"
             + (f", <= {TARGET_VS_TORCH}x pytorch" if m.overhead_bound else "")
-            + f": {verdict(ok)}"
+            + f": {verdict(ok)}; eager <= {eager_target}x pytorch: {verdict(eager_vs_torch <= eager_target)}"
         )
     print()
     print("Python per recorded op of a lazy forward (recorded, not computed):")
     for m in models():
-        per_op, ops, nodes = record_cost(m)
-        res.add("per_op", m.name, "lazy_record", per_op, per="op", ops=ops, nodes=nodes)
-        print(
-            f"  {m.name:30s} {per_op * 1e6:6.2f} us/op over {ops} ops ({per_op * ops / nodes * 1e6:.2f} us per node "
-            f"of {nodes}, leaves included)  target <= {TARGET_US_PER_OP} us/op: {verdict(per_op * 1e6 <= TARGET_US_PER_OP)}"
-        )
+        for fresh, target in ((False, TARGET_US_PER_OP_REPLAYED), (True, TARGET_US_PER_OP_FRESH)):
+            per_op, ops, nodes = record_cost(m, fresh)
+            kind = "fresh" if fresh else "replayed"
+            res.add("per_op", m.name, f"lazy_record_{kind}", per_op, per="op", ops=ops, nodes=nodes)
+            print(
+                f"  {m.name:30s} {kind:8s} {per_op * 1e6:6.2f} us/op over {ops} ops "
+                f"({per_op * ops / nodes * 1e6:.2f} us per node of {nodes}, leaves included)  "
+                f"target <= {target} us/op: {verdict(per_op * 1e6 <= target)}"
+            )
     res.write(args.json)
     return res
 

@@ -67,6 +67,8 @@ VARIANT_LABELS = {
     "nnx_jit": "nnx.jit",
     "opt_step": "opt.step",
     "lazy_record": "lazy: record one op",
+    "lazy_record_replayed": "lazy: record one op (replayed step)",
+    "lazy_record_fresh": "lazy: record one op (fresh recording)",
     "tape": "tape",
     "builtin": "built-in op",
     "lifted": "tfl.lift op",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import cast
 
 import jax
 
@@ -77,6 +76,24 @@ def _array_type() -> type:
         return type(jax.numpy.zeros(()))
 
 
+class _NotYet:
+    """Stands for the array class until :func:`device_of` first meets a concrete array."""
+
+
+_concrete: type = _NotYet
+_SINGLE = jax.sharding.SingleDeviceSharding
+
+
+def concrete_array_type() -> type:
+    """The class of concrete ``jax.Array`` values (an exact ``type(x) is`` test skips the ABC checks on hot paths).
+
+    >>> import jax.numpy as jnp
+    >>> type(jnp.ones(2)) is concrete_array_type()
+    True
+    """
+    return _array_type()
+
+
 def device_of(x: object) -> jax.Device | None:
     """The one device the concrete array ``x`` lives on; None for host data, tracers and arrays on several devices.
 
@@ -84,12 +101,14 @@ def device_of(x: object) -> jax.Device | None:
     >>> device_of(jnp.ones(2)) == jax.devices()[0], device_of([1.0])
     (True, None)
     """
-    if type(x) is _array_type():  # the common case, without an ABC check or a device set per call
-        sh = cast(jax.Array, x).sharding
-        if type(sh) is jax.sharding.SingleDeviceSharding:
+    global _concrete
+    if type(x) is _concrete:  # the common case, without an ABC check (it is on every step's hot path)
+        sh = x.sharding  # type: ignore[attr-defined]
+        if type(sh) is _SINGLE:
             for d in sh.device_set:
                 return d
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        _concrete = _array_type()
         try:
             devs = x.devices()
         except Exception:

@@ -36,7 +36,7 @@ import numpy as np
 from . import _registry as R
 from . import _treescope
 from ._checks import is_int
-from ._device import device_of, resolve_device
+from ._device import concrete_array_type, device_of, resolve_device
 from ._node import PENDING, Node, NodeView
 from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, AttrValue, DeviceLike
@@ -47,6 +47,7 @@ __all__ = [
     "NodeView",
     "Tape",
     "append_node",
+    "append_nodes",
     "append_op",
     "check_op",
     "fill_pending",
@@ -283,6 +284,32 @@ def append_node(tape: Tape, node: Node) -> tuple[Tape, int]:
     return _append(tape, node), n
 
 
+def append_nodes(tape: Tape, nodes: Sequence[Node]) -> Tape:
+    """``tape`` with ``nodes`` appended as they are, unchecked: the caller built them for exactly this tape.
+
+    For a lazy session's replayed recording (:mod:`tapeflow._shell._replay`), whose
+    nodes repeat ones recorded and checked at the same positions before; every
+    other caller appends with :func:`append_node`, :func:`leaf` or :func:`record`.
+    """
+    buf = tape._buf
+    m = tape._n
+    lst = buf.nodes
+    for k, nd in enumerate(nodes):  # as _append: the append that lands in slot m owns it, else fork
+        if len(lst) == m:
+            lst.append(nd)
+            if lst[m] is nd:
+                m += 1
+                continue
+        buf = _Buffer(lst[:m] + list(nodes[k:]))
+        m += len(nodes) - k
+        break
+    t = _new_object(Tape)
+    t._buf = buf
+    t._n = m
+    t.device = tape.device
+    return t
+
+
 def fill_pending(tape: Tape, ids: Sequence[int], values: Sequence[Array]) -> None:
     """Store ``values[k]`` in node ``ids[k]`` of ``tape`` where it still waits for its value: the one in-place write.
 
@@ -364,8 +391,14 @@ def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tap
     Traceback (most recent call last):
     TypeError: leaf: 'abc' (str) is not an array of numbers; pass a NumPy or JAX array or a Python number
     """
+    dev = tape.device
+    if type(value) is concrete_array_type() and (dev is None or device_of(value) is dev):  # placed already
+        v: Array = value
+        dtype = v.dtype
+        node = Node(None, (), (), v, bool(requires_grad) and R.is_float(dtype), v.shape, dtype)
+        return _append(tape, node), tape._n
     try:
-        v = place(value, tape.device)
+        v = place(value, dev)
     except TypeError:
         raise TypeError(
             f"leaf: {value!r:.80} ({type(value).__name__}) is not an array of numbers; "

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from typing import TypeAlias, TypeVar
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import NamedTuple, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +51,10 @@ from .._core._kernels import KernelCache
 from .._core._result import TapeError
 from .._core._tape import PENDING, Tape, fill_pending, with_values
 from .._core._typing import Array, Attrs, NodeId, OptState
+from ._grads import ParameterGroup, ParameterRecord
+from ._params import Storage
 
-__all__ = ["LazyGrads", "LazyRecording", "materialize"]
+__all__ = ["BackwardPlan", "LazyGrads", "LazyRecording", "materialize"]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
@@ -90,15 +92,69 @@ def _intern(meta: NodeKey) -> int:
     return i
 
 
+class BackwardPlan(NamedTuple):
+    """What a lazy ``backward`` worked out for one recording, reused while the next one is the same.
+
+    Valid for a recording of the same structure (every node's op, attributes,
+    parents, spec and ``requires_grad``), root, ``wrt`` handles and default seed
+    whose parameter leaves register the very same Params and storages: then the
+    requested ids, the parameter groups and the checks of the root, the seed and
+    the VJPs (traced once) are those of the plan.
+    """
+
+    struct: Structure
+    root: NodeId
+    wrt: tuple[NodeId, ...]
+    params: dict[NodeId, ParameterRecord]
+    storages: dict[NodeId, Storage]
+    ids: list[NodeId]
+    groups: list[ParameterGroup]
+
+    @classmethod
+    def of(
+        cls,
+        struct: Structure,
+        root: NodeId,
+        wrt: tuple[NodeId, ...],
+        params: Mapping[NodeId, ParameterRecord],
+        storages: Mapping[NodeId, Storage],
+        ids: list[NodeId],
+        groups: list[ParameterGroup],
+    ) -> BackwardPlan:
+        return cls(struct, root, wrt, dict(params), dict(storages), ids, groups)
+
+    def matches(
+        self,
+        struct: Structure,
+        root: NodeId,
+        seed: object,
+        wrt: tuple[NodeId, ...],
+        params: Mapping[NodeId, ParameterRecord],
+        storages: Mapping[NodeId, Storage],
+    ) -> bool:
+        """Whether this plan holds for a backward of ``root`` over a recording of ``struct`` (Params by identity)."""
+        if seed is not None or root != self.root or wrt != self.wrt or struct != self.struct:
+            return False
+        mine, st = self.params, self.storages
+        if len(params) != len(mine) or len(storages) != len(st):
+            return False
+        get, sget = params.get, storages.get
+        return all(get(i) is p for i, p in mine.items()) and all(sget(i) is v for i, v in st.items())
+
+
 class LazyRecording:
-    """The structure key of a lazy session's recording, extended as nodes are first keyed."""
+    """The structure key of a lazy session's recording, extended as nodes are first keyed.
 
-    __slots__ = ("epoch", "exact", "keys")
+    ``plan`` is the last backward's :class:`BackwardPlan` (kept across resets).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("epoch", "exact", "keys", "plan")
+
+    def __init__(self, plan: BackwardPlan | None = None) -> None:
         self.keys: list[int] = []
         self.epoch = _epoch  # the intern table's epoch that ``keys`` belong to
         self.exact = False  # the recording holds exact-rational values (NumPy objects): it is computed eagerly
+        self.plan = plan
 
     def truncate(self, n: int) -> None:
         """The tape went back to ``n`` nodes (a failed backward put the old tape back)."""
@@ -209,9 +265,9 @@ class LazyGrads:
 
     __slots__ = ("ids", "root", "seed", "struct", "tape")
 
-    def __init__(self, rec: LazyRecording, tape: Tape, root: NodeId, seed: Array | None, ids: Sequence[NodeId]):
+    def __init__(self, struct: Structure, tape: Tape, root: NodeId, seed: Array | None, ids: Sequence[NodeId]):
         self.tape, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
-        self.struct = rec.structure(tape)
+        self.struct = struct  # LazyRecording.structure(tape)
 
     def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> tuple[Hashable, ...]:
         seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))

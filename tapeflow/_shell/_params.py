@@ -44,6 +44,13 @@ def _check_trainable(trainable: object, where: str) -> bool:
     return bool(trainable)
 
 
+class _Several:
+    """Where a storage's current value lives when it is not one device (several, a tracer, host data)."""
+
+
+_SEVERAL: Any = _Several()
+
+
 class Storage:
     """The mutable cells of one parameter: host value, device mirror, host-current flag.
 
@@ -63,7 +70,18 @@ class Storage:
 
     # _current is the value of the current cell (_host when _host_current, else _mirror);
     # write_current_many, the one cell update, and read_host's sync keep it so
-    __slots__ = ("__weakref__", "_current", "_host", "_host_current", "_mirror", "dtype", "hooks", "shape", "uid")
+    __slots__ = (
+        "__weakref__",
+        "_current",
+        "_host",
+        "_host_current",
+        "_mirror",
+        "_on",
+        "dtype",
+        "hooks",
+        "shape",
+        "uid",
+    )
 
     def __init__(self, value: ArrayLike) -> None:
         v = stored(value)
@@ -74,6 +92,7 @@ class Storage:
         self._mirror: Array | None = None
         self._host_current = True
         self._current: Array = v
+        self._on: jax.Device | None = None  # the one device _current lives on, found on first read (None: not yet)
         self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
         with _storage_lock:
             self.uid = next(_storage_ids)
@@ -131,6 +150,7 @@ class Storage:
             else:
                 s._mirror = v
             s._current = v
+            s._on = None
 
     def read_current(self) -> Array:
         """The current value wherever it lives (no placement, no host sync); see :meth:`read_current_many`."""
@@ -147,6 +167,7 @@ class Storage:
             self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
             self._host_current = True
             self._current = self._host
+            self._on = None
         return self._host
 
     def read(self, device: jax.Device | None) -> Array:
@@ -157,6 +178,11 @@ class Storage:
         """
         if device is None:
             return self._current  # read_current()
+        on = self._on
+        if on is None:
+            on = self._on = device_of(self._current) or _SEVERAL
+        if on is device:
+            return self._current  # the common case: the current value lives on the device asked for
         m = self._mirror
         if m is None and self._host_current and device_of(self._host) == device:
             return self._host  # the common case: the value lives on the device asked for

@@ -25,7 +25,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeAlias, cast
+from typing import NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import optax
 
 from .._core._device import device_of
 from .._core._result import TapeError
-from .._core._typing import Array, ArrayLike, OptState, PyTree
+from .._core._typing import Array, ArrayLike, NodeId, OptState, PyTree
 from .._shell._commit import commit
 from .._shell._grads import Grads, ParameterGroup, sum_in_leaf_order
 from .._shell._lazy import LazyGrads
@@ -50,6 +50,15 @@ GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | N
 
 StepFn: TypeAlias = Callable[[SlotParts, Sequence[Array], OptState], StepOutcome]
 """:func:`tapeflow._train._step.step` for one optimizer and finite-check flag, as a lazy step program calls it."""
+
+
+class _FusedPlan(NamedTuple):
+    """An optimizer's slot mapping of one recording's parameter groups (checked against its slots once)."""
+
+    groups: list[ParameterGroup]  # the Grads' groups it was made for (identity)
+    mine: list[ParameterGroup]  # the groups that update one of this optimizer's slots
+    leaves: list[tuple[NodeId, ...] | None]  # per slot, the leaves whose cotangents update it (None: unused)
+    used: list[bool]
 
 
 class Optimizer:
@@ -119,6 +128,7 @@ class Optimizer:
         # compiled once per structure of the parts (which slots are used, how many leaves each has)
         self._step_fn = jax.jit(functools.partial(_step.step, self.rule), static_argnames="check_finite")
         self._lazy_steps: dict[bool, StepFn] = {}
+        self._fused_plan: _FusedPlan | None = None  # the last fused step's slot mapping (valid for its groups)
         self.state: OptState = self.tx.init(self.param_tree())
 
     def _tree(self, values: Sequence[object]) -> PyTree:
@@ -428,14 +438,20 @@ class Optimizer:
         write-back are :mod:`tapeflow._train._step`'s, as in :meth:`step`.
         """
         lazy = cast(LazyGrads, grads.pending)
-        groups = self._slot_groups(grads)
-        mine = [g for g in groups if g is not None]
-        if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
-            return False
         nodes = lazy.tape.nodes
-        leaves = [None if g is None else g.leaves for g in groups]
-        check_parts(self.rule, [None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves], "Optimizer.step")
-        used = [ls is not None for ls in leaves]
+        plan = self._fused_plan
+        if plan is None or plan.groups is not grads.groups or grads.released:
+            # the slot mapping and its checks: worked out once per recording structure (a session's
+            # BackwardPlan hands every step of one structure the same groups)
+            groups = self._slot_groups(grads)
+            mine = [g for g in groups if g is not None]
+            if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
+                return False
+            leaves = [None if g is None else g.leaves for g in groups]
+            parts = [None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves]
+            check_parts(self.rule, parts, "Optimizer.step")
+            plan = self._fused_plan = _FusedPlan(grads.groups, mine, leaves, [ls is not None for ls in leaves])
+        mine, leaves, used = plan.mine, plan.leaves, plan.used
         grads.pending = None  # consumed by this step, read or not
         try:
             storages = self._slot_storages
