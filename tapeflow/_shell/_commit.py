@@ -32,14 +32,14 @@ example: cannot write a float32[3] value into <Storage #... float32[2]>
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core import _registry as R
-from .._core._device import device_of
+from .._core._device import concrete_array_type, device_of
 from .._core._interrupts import deferred_interrupts
 from .._core._result import TapeError
 from .._core._typing import Array, ArrayLike
@@ -108,6 +108,11 @@ def check_write(st: Storage, value: ArrayLike, where: str, label: str | None = N
     return v
 
 
+def _plain(v: Array, st: Storage) -> bool:
+    """``v`` (a concrete array) has the storage's shape and dtype and is not weakly typed."""
+    return not v.weak_type and v.shape == st.shape and v.dtype == st.dtype
+
+
 def commit(
     writes: Iterable[tuple[Storage, ArrayLike]] = (),
     *,
@@ -123,9 +128,10 @@ def commit(
     only for a message). ``replacing`` (the fast path of a single-device
     program) holds the current values the first ``len(replacing)`` writes
     replace, as :meth:`Storage.read_current_many` returned them and the
-    program read them: each new value must live on the device of the value it
-    replaces, and goes into that cell without placement. Every other value
-    on another device than its host cell becomes the device mirror
+    program read them: a new value that lives on the device of the value it
+    replaces goes into that cell without placement. Every other value on
+    another device than its host cell (a program over several devices hands
+    back values placed by XLA) becomes the device mirror
     (:meth:`Storage.write` with ``on_device=True``).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
@@ -137,28 +143,27 @@ def commit(
     """
     pairs = list(writes)
     olds = () if replacing is None else replacing
-    checked: list[tuple[Storage, Array | np.ndarray]] = []
+    n_old = len(olds)
+    concrete = concrete_array_type()
+    fast_cells: list[Storage] = []  # the writes that replace their current cell in place
+    fast_values: list[Array] = []
+    placed: list[tuple[Storage, Array | np.ndarray]] = []
     for k, (st, v) in enumerate(pairs):
         got: Array | np.ndarray
-        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and not v.weak_type:
-            got = v  # the common case: only shape and dtype to check
-            if got.shape != st.shape or got.dtype != st.dtype:
-                got = check_write(st, v, where, None if label is None else label(k))  # raises
+        if type(v) is concrete and _plain(cast(Array, v), st):
+            got = cast(Array, v)  # the common case: a concrete array of the storage's spec
         else:
-            got = check_write(st, v, where, None if label is None else label(k))
-        if k < len(olds) and device_of(got) != device_of(olds[k]):
-            raise StateWriteError(
-                f"{where}: the new value of {repr(st) if label is None else label(k)} lives on "
-                f"{device_of(got)}, not on {device_of(olds[k])} where the parameter's current value is; "
-                "nothing was written"
-            )
-        checked.append((st, got))
+            got = check_write(st, v, where, None if label is None else label(k))  # raises, or the checked value
+        if k < n_old and device_of(got) == device_of(olds[k]):
+            fast_cells.append(st)
+            fast_values.append(cast(Array, got))
+        else:
+            placed.append((st, got))
     setters = list(then)
     with deferred_interrupts():
-        fast = len(olds)
-        if fast:
-            type(checked[0][0]).write_current_many([st for st, _ in checked[:fast]], [v for _, v in checked[:fast]])
-        for st, v in checked[fast:]:
+        if fast_cells:
+            type(fast_cells[0]).write_current_many(fast_cells, fast_values)
+        for st, v in placed:
             st.write(v, on_device=True)
         for f in setters:
             f()

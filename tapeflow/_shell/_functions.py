@@ -8,8 +8,9 @@ from its :class:`~tapeflow.OpDef` (the op list exists once, in the registry):
   op, such as ``concat``, takes one sequence), then the attributes in
   declaration order with their defaults (a required attribute has none);
 * ``__doc__``: the op's one-line summary, a note on its operands, its notes;
-* ``__module__`` is ``"tapeflow"``; the body is ``apply(name, *operands, **attrs)``
-  (see :func:`tapeflow.apply`), which records the op on the operands' session.
+* ``__module__`` is ``"tapeflow"``; the body is one ``record_op(name, operands, attrs)``
+  call (:func:`tapeflow.apply` with a tuple and a dict, so no argument is packed twice),
+  which records the op on the operands' session.
 
 Operands may be :class:`~tapeflow.Tensor` handles, :class:`~tapeflow.Param` s,
 numbers or arrays. Ops with ``public=False`` get no function, ``aliases`` name
@@ -40,7 +41,7 @@ from .._core._registry import REGISTRY, REQUIRED, OpDef, is_float
 from .._core._result import TapeError
 from .._ops import _math, _nn, _shape  # noqa: F401  (register the ops)
 from ._params import Param
-from ._tensor import Operand, Tensor, apply
+from ._tensor import Operand, Tensor, apply, record_op
 from ._tensor import session_of as _session_of
 
 _OpFunction = Callable[..., Tensor]
@@ -105,12 +106,15 @@ def _doc(d: OpDef) -> str:
 
 
 def _call(d: OpDef, operands: Sequence[str], attrs: str) -> str:
-    args = ", ".join([repr(d.name), *operands] + ([attrs] if attrs else []))
-    return f"_apply({args})"
+    if len(operands) == 1 and operands[0].startswith("*"):
+        ops = operands[0][1:]  # a variadic op's operands: already a tuple
+    else:
+        ops = "(" + "".join(f"{o}, " for o in operands) + ")"
+    return f"_record({d.name!r}, {ops}, {{{attrs}}})"
 
 
 def _source(d: OpDef, fname: str, params: list[inspect.Parameter]) -> str:
-    """Python source of the function: plain parameters, one ``_apply`` call per operand count."""
+    """Python source of the function: plain parameters, one ``_record`` call per operand count."""
     head: list[str] = []
     for p in params:
         if p.kind is _P.KEYWORD_ONLY and "*" not in head:
@@ -119,11 +123,13 @@ def _source(d: OpDef, fname: str, params: list[inspect.Parameter]) -> str:
             head.append(p.name)
         else:
             head.append(f"{p.name}=None" if p.default is None else f"{p.name}=_d_{p.name}")
-    attrs = ", ".join(f"{a}={a}" for a in d.defaults)
+    attrs = ", ".join(f"{a!r}: {a}" for a in d.defaults)
     lines = [f"def {fname}({', '.join(head)}):"]
     if d.variadic:
         *required, seq = d.operands
         operands = [*required, f"*_sequence({d.name!r}, {seq!r}, {seq})"]
+        if required:
+            operands = [f"*({', '.join(required)}, *_sequence({d.name!r}, {seq!r}, {seq}))"]
         lines.append(f"    return {_call(d, operands, attrs)}")
         return "\n".join(lines) + "\n"
     optional = d.optional_operands
@@ -170,7 +176,7 @@ def _make_function(d: OpDef, fname: str | None = None) -> _OpFunction:
     params = _parameters(d)
     src = _source(d, fname, params)
     filename = f"<tapeflow generated {fname}>"
-    ns: dict[str, object] = {"_apply": apply, "_sequence": _sequence, "_gap": _gap}
+    ns: dict[str, object] = {"_record": record_op, "_sequence": _sequence, "_gap": _gap}
     ns.update({f"_d_{p.name}": p.default for p in params if p.default is not _P.empty})
     exec(compile(src, filename, "exec"), ns)
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # readable tracebacks

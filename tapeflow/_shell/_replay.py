@@ -88,34 +88,32 @@ class Event(NamedTuple):
     tracked: bool  # gradients were recorded (grad_enabled and no no_grad block)
     plan: tuple[tuple[int, Node, int], ...]  # per appended node: (_OP, _USE or _CONST, template, operand)
 
-    def matches(self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool) -> bool:
-        """Whether a call of ``opname`` with these operands, attributes and context is this event again."""
+    def replay(
+        self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
+    ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
+        """If a call of ``opname`` with these operands, attributes and context is this event again: the nodes to
+        append (each Param use reads its storage now) and ``(offset, Param)`` for each Param leaf among them;
+        else None (the call is recorded the normal way)."""
         if opname != self.opname or tracked is not self.tracked or attrs != self.attrs:
-            return False
-        if len(operands) != len(self.kinds):
-            return False
-        if R.REGISTRY.get(self.opname) is not self.opdef:  # redefined or removed since
-            return False
+            return None
+        kinds = self.kinds
+        if len(operands) != len(kinds) or R.REGISTRY.get(opname) is not self.opdef:  # or redefined since
+            return None
         refs, storages, trainable = self.refs, self.storages, self.trainable
-        for k, kind in enumerate(self.kinds):
+        for k, kind in enumerate(kinds):
             o = operands[k]
             r = refs[k]
             if kind == TENSOR:
                 if type(o) is not Tensor or o.id != r:
-                    return False
+                    return None
             elif kind == PARAM:
                 if o is not r:
-                    return False
+                    return None
                 p = cast(Param, o)
                 if p.storage is not storages[k] or p.trainable is not trainable[k] or p.bound:
-                    return False
+                    return None
             elif type(o) is not type(r) or o != r or (o == 0 and not same_scalar(o, r)):
-                return False
-        return True
-
-    def replay(self, operands: Sequence[object], device: jax.Device) -> tuple[list[Node], list[tuple[int, Param]]]:
-        """The nodes to append for ``operands`` (each Param use reads its storage now), and ``(offset, Param)``
-        for each Param leaf among them."""
+                return None
         out: list[Node] = []
         params: list[tuple[int, Param]] = []
         for code, nd, k in self.plan:
@@ -125,8 +123,8 @@ class Event(NamedTuple):
                 )
             elif code == _USE:
                 p = cast(Param, operands[k])
+                params.append((len(out), p))
                 out.append(Node(None, (), (), p.storage.read(device), nd.requires_grad, nd.shape, nd.dtype, nd.spec))
-                params.append((len(out) - 1, p))
             else:
                 out.append(nd)  # a number's constant leaf: the same immutable value
         return out, params

@@ -456,33 +456,46 @@ class Session:
         >>> s.apply("mul", s.input(jnp.arange(3.0)), 2.0).value.tolist()
         [0.0, 2.0, 4.0]
         """
-        self.check_thread()
+        return self.record_op(opname, operands, attrs)
+
+    def record_op(self, opname: str, operands: tuple[Operand, ...], attrs: dict[str, Any]) -> Tensor:
+        """:meth:`apply` with the operands as a tuple and the attributes as a dict (what ``tfl.<op>`` calls).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> s.record_op("sum", (s.input(jnp.arange(3.0)),), {"axis": 0}).value.tolist()
+        3.0
+        """
+        if self._thread is not None and self._thread != threading.get_ident():
+            self.check_thread()  # raises
         owner, gen = self._owner, self._generation
         for o in operands:
             if type(o) is Tensor and (o._owner != owner or o._generation != gen):
                 check_handle(o, self)  # raises: foreign before stale, left to right
         t0 = self._tape
         ol = self._outline
-        direct_reads = self._param_source is None
         # the last recording's call, again? (a lazy session without a policy whose Params read their storages)
-        if ol is not None and ol.tape is t0 and not self._eagerly and self.precision is None and direct_reads:
+        if ol is not None and ol.tape is t0 and not self._eagerly and self.precision is None:
             n0 = ol.matched
             ev = ol.events.get(n0)
-            if ev is not None:
+            if ev is not None and self._param_source is None:
                 try:
                     akey = _attr_key(attrs.items()) if attrs else ()
                 except TypeError:
                     akey = None
-                tracked = self.grad_enabled and not self._grad.depth
-                if akey is not None and ev.matches(opname, operands, akey, tracked):
-                    new, params = ev.replay(operands, self.device)
+                got = ev.replay(opname, operands, akey, self.grad_enabled and not self._grad.depth, self.device)
+                if got is not None:
+                    new, params = got
                     t = append_nodes(t0, new)
                     self._tape = ol.tape = t
                     note_recorded(self._ref)
                     ol.matched = n = n0 + len(new)
                     self._events[n0] = ev
-                    for j, prm in params:
-                        self._register_param_leaf(n0 + j, prm, prm.storage)
+                    if params:
+                        pbl, sbl = self._params_by_leaf, self._storage_by_leaf
+                        for j, prm in params:
+                            pbl[n0 + j] = prm
+                            sbl[n0 + j] = prm.storage
                     out = new[-1]
                     return Tensor(self, owner, gen, n - 1, out.shape, out.dtype)
         plan: list[NodeId | Param | Array] = []

@@ -51,6 +51,7 @@ __all__ = [
     "check_handle",
     "current_session",
     "last_recorded_session",
+    "record_op",
     "session_of",
 ]
 
@@ -474,4 +475,21 @@ def apply(opname: str, *operands: Operand, **attrs: object) -> Tensor:
     ...     y.value.tolist()
     [2.0, 2.0]
     """
-    return session_of(operands, opname).apply(opname, *operands, **attrs)
+    return session_of(operands, opname).record_op(opname, operands, attrs)
+
+
+def record_op(opname: str, operands: tuple[Operand, ...], attrs: dict[str, object]) -> Tensor:
+    """:func:`apply` with the operands as a tuple and the attributes as a dict (what each ``tfl.<op>`` calls).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     record_op("add", (s.input(jnp.ones(2)), 1.0), {}).value.tolist()
+    [2.0, 2.0]
+    """
+    for o in operands:  # session_of, inlined: this is every op function's first step
+        if isinstance(o, Tensor):
+            s = o._session
+            if s is not None:
+                return s.record_op(opname, operands, attrs)
+            break
+    return session_of(operands, opname).record_op(opname, operands, attrs)

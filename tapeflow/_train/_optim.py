@@ -462,13 +462,12 @@ class Optimizer:
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
-        # the fast write replaces each current cell in place, so only where the program's result lives on that
-        # cell's device; a recording over several devices (a mesh-sharded input) hands back values placed by
-        # XLA, which commit installs as it does an eager step's
-        fast = current and all(device_of(nv) == device_of(v) for nv, v in zip(out.values, values))
+        # the fast write replaces each current cell in place where the program's result lives on that cell's
+        # device (commit checks each); a recording over several devices (a mesh-sharded input) hands back
+        # values placed by XLA, which commit installs as it does an eager step's
         try:
             finish(
-                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if fast else None, then=then
+                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if current else None, then=then
             )
         except BaseException:
             grads.pending = lazy  # as step: a refused step leaves the gradients readable
