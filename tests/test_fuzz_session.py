@@ -394,7 +394,8 @@ class PendingGrads:
     groups: dict[int, np.ndarray]  # storage -> reference gradient (summed over its leaves)
     consumed: set[int] = field(default_factory=set)
     released: bool = False
-    lazy: bool = False  # from a lazy session: a step compiles its fused program before any refusal
+    lazy: bool = False  # computed by a program (a lazy session's, or an eager session's compiled backward): a step
+    # compiles its fused program before any refusal
 
 
 @dataclass(eq=False)
@@ -1173,6 +1174,7 @@ class SessionFuzz(RuleBasedStateMachine):
         event("backward: checked against jax.grad" + (" (wrt=)" if wrt else ""))
         wrt = wrt or []
         grads = sr.s.backward(h.t, seed=seed, wrt=[w.t for w in wrt])
+        by_program = grads.pending is not None  # before any read: a program computes these gradients
         # leaves: the whole graph (asking for an interior node's cotangent cuts nothing, as retain_grad);
         # an interior wrt node: its cotangent, jax.grad of the function that takes the node as an input
         ref, _ = self.ref_grads(sr, h.t.id, seed)
@@ -1205,7 +1207,7 @@ class SessionFuzz(RuleBasedStateMachine):
                 close(grads[r.param], sums[r.storage], f"grads[{r.name}]")
             else:
                 assert grads.get(r.param) is None
-        pg = PendingGrads(grads, sums, lazy=sr.lazy)
+        pg = PendingGrads(grads, sums, lazy=by_program)
         self.pending.append(pg)
         if len(self.pending) > MAX_PENDING:
             self.pending.pop(0).grads.release()
@@ -1344,12 +1346,14 @@ class SessionFuzz(RuleBasedStateMachine):
         self.note_leaf(sr, before_len, np.array(self.values[r.storage]), r.storage, True)
         sr.nodes[before_len + 1] = ("leaf", np.full(r.param.shape, bad, F32))
         sr.length = len(sr.s.tape)
+        # gradients a program computes (a lazy session's, or an eager session's compiled backward: the second
+        # backward of a structure) are fused into the step: its program is compiled before the refusal
         self.rejected(
             lambda: o.opt.step(grads, check_finite=True),
             TapeError,
             "non-finite",
             "step(check_finite)",
-            compiled=sr.lazy,
+            compiled=grads.pending is not None,
         )
         grads.release()
 

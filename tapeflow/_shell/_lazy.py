@@ -54,7 +54,7 @@ from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
 from ._params import Storage
 
-__all__ = ["BackwardPlan", "LazyGrads", "LazyRecording", "materialize"]
+__all__ = ["BackwardPlan", "Fingerprint", "LazyGrads", "LazyRecording", "eager_fingerprint", "materialize"]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
@@ -178,6 +178,30 @@ class LazyRecording:
                 keys.append(_intern((nd.opdef, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
             if _epoch == epoch:
                 return (epoch, *keys) if len(keys) == n else (epoch, *keys[:n])
+
+
+Fingerprint: TypeAlias = tuple[tuple[object, ...], ...]
+"""A recording's structure as :func:`eager_fingerprint` sees it (op definitions by id: it keeps none alive)."""
+
+
+def eager_fingerprint(tape: Tape) -> Fingerprint | None:
+    """The structure of an eager recording, to tell whether its backward was seen before; None: never compiled.
+
+    Op definitions are named by ``id`` so the fingerprint keeps none alive (a
+    reused id can only cause a lookup of the interned structure, which names
+    the definitions themselves). None for a recording of exact rationals or
+    tracers, or one that holds a checkpointed block (its op must go when its
+    wrapper does, and a cached program would keep it).
+    """
+    out: list[tuple[object, ...]] = []
+    for nd in tape.nodes:
+        d = nd.opdef
+        if nd.dtype == R.OBJECT or (d is not None and d.user and not d.public):
+            return None
+        if d is None and isinstance(nd.value, jax.core.Tracer):
+            return None
+        out.append((id(d), nd.attrs, nd.parents, nd.requires_grad, nd.spec))
+    return tuple(out)
 
 
 def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:

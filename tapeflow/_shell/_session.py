@@ -45,7 +45,7 @@ from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import BackwardPlan, LazyGrads, LazyRecording, materialize
+from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, eager_fingerprint, materialize
 from ._params import Param, Storage
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
 from ._replay import Event, Outline, node_key
@@ -174,6 +174,7 @@ class Session:
         self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
         self._outline: Outline | None = None  # a lazy session's last recording, replayed while it matches
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
+        self._seen: Fingerprint | None = None  # an eager session's last backward's structure
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
 
     # -- thread ownership ------------------------------------------------------
@@ -366,6 +367,8 @@ class Session:
             ol = self._outline
             if ol is not None:
                 ol.follow(t)  # nodes recorded outside the replay fast path still match the outline?
+        elif len(t) < len(self._lazy.keys):  # an eager session keys its structure for a compiled backward
+            self._lazy.truncate(len(t))
         self._tape = t
         note_recorded(self._ref)
 
@@ -669,8 +672,12 @@ class Session:
             i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._grad.hooks.items() if fns
         }
         lazy = self._mode == "lazy" and not (create_graph or hooks or self._lazy.exact)
+        # an eager session's backward runs as one compiled program (fused with the optimizer step that consumes
+        # it) from the second backward of the same structure on; its first one runs op by op
+        compiled = self._mode == "eager" and not (create_graph or hooks) and self._seen_before(old)
+        program = lazy or compiled
         plan: BackwardPlan | None = None
-        if lazy:  # the same structure, Params and request as the last backward: what it worked out holds
+        if program:  # the same structure, Params and request as the last backward: what it worked out holds
             lz, ol = self._lazy, self._outline
             if ol is not None and len(lz.keys) < len(old):
                 hint = ol.structure_hint(len(old), lz.epoch)
@@ -696,7 +703,14 @@ class Session:
             self.materialize()  # the sweep below reads every value
         by_leaf: dict[NodeId, Any] | LazyGrads
         try:
-            if lazy:  # computed on first read, or fused into the optimizer step that consumes them
+            if compiled and plan is None:
+                checked = root_and_seed(old, loss.id, seed)[1]
+                try:  # what cannot be traced (a user VJP that reads values) runs op by op, as before
+                    LazyGrads(struct, old, loss.id, None if seed is None else checked, ids).check()
+                except Exception:
+                    program = compiled = False
+                    self._seen = None
+            if program:  # computed on first read, or fused into the optimizer step that consumes them
                 if plan is None:
                     checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
                     by_leaf = LazyGrads(struct, old, loss.id, None if seed is None else checked, ids)
@@ -725,6 +739,13 @@ class Session:
             raise
         return grads
 
+    def _seen_before(self, tape: Tape) -> bool:
+        """Whether this eager session's last backward had ``tape``'s structure (and this one may be compiled)."""
+        fp = eager_fingerprint(tape)
+        seen = fp is not None and fp == self._seen
+        self._seen = fp
+        return seen and self._param_source is None
+
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
         """Drop the recording and invalidate its handles.
@@ -745,7 +766,7 @@ class Session:
         self._storage_by_leaf = {}
         self._grad.clear()
         self._state_log = StateLog()
-        if self._mode == "lazy":
+        if self._mode != "traced":
             self._lazy = LazyRecording(self._lazy.plan)  # pending values nobody read are dropped with the tape
         self._generation += 1
 
