@@ -705,7 +705,7 @@ class Session:
         try:
             if compiled and plan is None:
                 checked = root_and_seed(old, loss.id, seed)[1]
-                try:  # what cannot be traced (a user VJP that reads values) runs op by op, as before
+                try:  # what fails to trace as one program runs op by op (a failing VJP raises its own error there)
                     LazyGrads(struct, old, loss.id, None if seed is None else checked, ids).check()
                 except Exception:
                     program = compiled = False
