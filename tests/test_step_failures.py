@@ -151,11 +151,11 @@ def test_interrupt_during_the_write_back_lands_after_it(make_step, monkeypatch):
             fired.append(True)
             signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, in the middle of the write-back
 
-    def write_many(storages, values):
+    def write_many(storages, values, device=None):
         storages, values = list(storages), list(values)
-        real_write(storages[:1], values[:1])
+        real_write(storages[:1], values[:1], device)
         interrupt_once()
-        real_write(storages[1:], values[1:])
+        real_write(storages[1:], values[1:], device)
 
     def write(self, value, *, on_device=False):
         real_single(self, value, on_device=on_device)

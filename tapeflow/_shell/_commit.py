@@ -31,6 +31,7 @@ example: cannot write a float32[3] value into <Storage #... float32[2]>
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -120,6 +121,7 @@ def commit(
     label: Callable[[int], str] | None = None,
     then: Iterable[Callable[[], None]] = (),
     replacing: Sequence[Array] | None = None,
+    traced: bool = False,
 ) -> None:
     """Check every ``(storage, value)`` of ``writes``, then write them all and run ``then``, as one unit.
 
@@ -133,6 +135,14 @@ def commit(
     another device than its host cell (a program over several devices hands
     back values placed by XLA) becomes the device mirror
     (:meth:`Storage.write` with ``on_device=True``).
+
+    ``traced=True``: the values of ``replacing`` are outputs of one compiled
+    program whose trace checked each against its storage (shape, dtype, never
+    weakly typed: :func:`tapeflow._train._step.step`), so a concrete output of
+    that program has them; commit then checks that they are concrete arrays
+    (no tracer), that the first lives on one device and that every old cell
+    lives there (one program's outputs share its one device), and writes them
+    all in place with no call per value; otherwise it checks each as usual.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> a, b = tfl.Storage(jnp.zeros(1)), tfl.Storage(jnp.zeros(1))
@@ -148,7 +158,18 @@ def commit(
     fast_cells: list[Storage] = []  # the writes that replace their current cell in place
     fast_values: list[Array] = []
     placed: list[tuple[Storage, Array | np.ndarray]] = []
-    for k, (st, v) in enumerate(pairs):
+    start, on = 0, None
+    if traced and 0 < n_old <= len(pairs):
+        # one single-device program's outputs live on its one device: if the first is a concrete array there
+        # and every old cell lives there too, every write is in place (no per-value call)
+        news = [v for _, v in pairs[:n_old]]
+        if operator.countOf(map(type, news), concrete) == n_old:
+            on = device_of(news[0])
+            cells = [st for st, _ in pairs[:n_old]]
+            if on is not None and type(cells[0]).all_on(cells, on):
+                fast_cells, fast_values, start = cells, news, n_old
+    for k in range(start, len(pairs)):
+        st, v = pairs[k]
         got: Array | np.ndarray
         if type(v) is concrete and _plain(cast(Array, v), st):
             got = cast(Array, v)  # the common case: a concrete array of the storage's spec
@@ -162,7 +183,7 @@ def commit(
     setters = list(then)
     with deferred_interrupts():
         if fast_cells:
-            type(fast_cells[0]).write_current_many(fast_cells, fast_values)
+            type(fast_cells[0]).write_current_many(fast_cells, fast_values, on if start else None)
         for st, v in placed:
             st.write(v, on_device=True)
         for f in setters:

@@ -125,7 +125,25 @@ class Storage:
         return [s._current for s in storages]
 
     @staticmethod
-    def write_current_many(storages: Iterable[Storage], values: Iterable[Array]) -> None:
+    def all_on(storages: Sequence[Storage], device: jax.Device) -> bool:
+        """Whether the current value of every storage lives on ``device`` alone (one call for many storages).
+
+        >>> import jax, jax.numpy as jnp, tapeflow as tfl
+        >>> tfl.Storage.all_on([tfl.Storage(jnp.zeros(2))], jax.devices()[0])
+        True
+        """
+        for s in storages:
+            on = s._on
+            if on is None:
+                on = s._on = device_of(s._current) or _SEVERAL
+            if on is not device:
+                return False
+        return True
+
+    @staticmethod
+    def write_current_many(
+        storages: Iterable[Storage], values: Iterable[Array], device: jax.Device | None = None
+    ) -> None:
         """Replace the current cell of each storage with its new value (the fast write of a compiled step).
 
         Each new value replaces the cell the current value lives in (the host
@@ -134,7 +152,8 @@ class Storage:
         on the current cell's device. **Nothing is checked**: each value must have
         its storage's shape and dtype and live where :meth:`read_current_many`
         found the old one (as the outputs of a single-device program computed
-        from those reads do); use :meth:`write` for anything else. This is the
+        from those reads do); use :meth:`write` for anything else. ``device``:
+        the one device every value lives on, when the caller knows it. This is the
         one home of the cell update: :meth:`write` and :meth:`write_current` use it.
 
         >>> import jax.numpy as jnp, tapeflow as tfl
@@ -150,7 +169,7 @@ class Storage:
             else:
                 s._mirror = v
             s._current = v
-            s._on = None
+            s._on = device  # where v lives when the caller knows it (None: found on the next read)
 
     def read_current(self) -> Array:
         """The current value wherever it lives (no placement, no host sync); see :meth:`read_current_many`."""

@@ -18,6 +18,7 @@ disappears from the compiled program.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeAlias, TypedDict, Unpack
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._core._device import concrete_array_type
 from .._core._interrupts import deferred_interrupts
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
@@ -415,10 +417,12 @@ class TrainStep:
 
     def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
         opt = self.optimizer
-        for x in jax.tree_util.tree_leaves((args, kwargs)):  # a loop, not a generator: no frame per call
-            if isinstance(x, jax.core.Tracer):
-                # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
-                raise traced_write("train_step", "its batch")
+        # a batch of concrete arrays holds no tracer: anything else is looked at leaf by leaf
+        if kwargs or operator.countOf(map(type, args), concrete_array_type()) != len(args):
+            for x in jax.tree_util.tree_leaves((args, kwargs)):  # a loop, not a generator: no frame per call
+                if isinstance(x, jax.core.Tracer):
+                    # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
+                    raise traced_write("train_step", "its batch")
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state
@@ -476,6 +480,7 @@ class TrainStep:
                     replacing=values if self.mesh is None else None,
                     state_writes=cells,
                     restore_on_refusal=self.donate,  # the donated old values exist only as the program's outputs
+                    traced=True,
                 )
             except TapeError:
                 if self.donate:

@@ -467,7 +467,15 @@ class Optimizer:
         # values placed by XLA, which commit installs as it does an eager step's
         try:
             finish(
-                self.rule, storages, out, used, "Optimizer.step", self, replacing=values if current else None, then=then
+                self.rule,
+                storages,
+                out,
+                used,
+                "Optimizer.step",
+                self,
+                replacing=values if current else None,
+                then=then,
+                traced=True,
             )
         except BaseException:
             grads.pending = lazy  # as step: a refused step leaves the gradients readable

@@ -214,6 +214,7 @@ def finish(
     state_writes: Iterable[tuple[Storage, Array]] = (),
     then: Iterable[Callable[[], None]] = (),
     restore_on_refusal: bool = False,
+    traced: bool = False,
 ) -> None:
     """Write the outcome of :func:`step`, or refuse a non-finite one with nothing changed.
 
@@ -223,6 +224,9 @@ def finish(
     :func:`~tapeflow._shell._commit.commit`. A refused step raises :class:`TapeError`;
     ``restore_on_refusal`` (a program whose inputs were donated) first puts the
     old values the program handed back into the storages, so they stay readable.
+    ``traced=True``: ``out`` is a compiled program's, traced through :func:`step`
+    (which checked every new value's shape and dtype): see
+    :func:`~tapeflow._shell._commit.commit`.
     """
     if isinstance(out.finite, jax.core.Tracer):  # the step ran inside a jax transformation: nothing to write
         raise traced_write(where, "the step's result")
@@ -244,4 +248,5 @@ def finish(
         label=lambda i: rule.describe(slots[i]) if i < len(slots) else repr(writes[i][0]),
         replacing=None if replacing is None else [replacing[k] for k in slots],
         then=[partial(setattr, owner, "state", out.state), *then],
+        traced=traced,
     )
