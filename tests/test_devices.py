@@ -140,3 +140,57 @@ def test_sharded_input_keeps_its_sharding_in_a_session(lazy):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "SHARDED-OK" in proc.stdout
+
+
+TRACED_COMMIT_SCRIPT = textwrap.dedent(
+    r"""
+    import jax, jax.numpy as jnp
+    import tapeflow as tfl
+    from tapeflow._shell._commit import commit
+
+    c0, c1 = jax.devices("cpu")[:2]
+    a = tfl.Storage(jax.device_put(jnp.zeros(2), c0))
+    b = tfl.Storage(jax.device_put(jnp.zeros(2), c1))
+    olds = tfl.Storage.read_current_many([a, b])
+    new = [jax.device_put(jnp.ones(2), c0), jax.device_put(jnp.full(2, 2.0), c0)]
+    # the old cells live on two devices: not one program's in-place write; each value is checked and placed
+    commit(zip([a, b], new), where="t", replacing=olds, traced=True)
+    assert a.read_current() is new[0] and a.host_current
+    assert b.read(c0).tolist() == [2.0, 2.0] and b.read_host().devices() == {c1}
+    # every old cell on one device with the new values: all in place, and reads on that device are the values
+    olds = tfl.Storage.read_current_many([a])
+    commit(zip([a], [jnp.full(2, 3.0, device=c0)]), where="t", replacing=olds, traced=True)
+    assert a.read(c0).tolist() == [3.0, 3.0] and tfl.Storage.all_on([a], c0) and not tfl.Storage.all_on([a], c1)
+    print("TRACED-COMMIT-OK")
+    """
+)
+
+
+def test_a_traced_commit_writes_in_place_only_when_every_cell_is_on_the_programs_device():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", TRACED_COMMIT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "TRACED-COMMIT-OK" in proc.stdout
+
+
+def test_a_traced_commit_still_refuses_a_tracer():
+    import jax
+    import jax.numpy as jnp
+
+    import tapeflow as tfl
+    from tapeflow._shell._commit import StateWriteError, commit
+
+    st = tfl.Storage(jnp.zeros(2))
+    olds = tfl.Storage.read_current_many([st])
+
+    def write(v):
+        commit([(st, v)], where="t", replacing=olds, traced=True)
+        return v
+
+    with pytest.raises(StateWriteError):
+        jax.jit(write)(jnp.ones(2))
+    assert st.read_current() is olds[0]
