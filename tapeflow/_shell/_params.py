@@ -48,7 +48,7 @@ class _Several:
     """Where a storage's current value lives when it is not one device (several, a tracer, host data)."""
 
 
-_SEVERAL: Any = _Several()
+_SEVERAL = _Several()
 
 
 class Storage:
@@ -92,7 +92,7 @@ class Storage:
         self._mirror: Array | None = None
         self._host_current = True
         self._current: Array = v
-        self._on: jax.Device | None = None  # the one device _current lives on, found on first read (None: not yet)
+        self._on: jax.Device | _Several | None = None  # the one device _current lives on (None: not found yet)
         self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
         with _storage_lock:
             self.uid = next(_storage_ids)

@@ -461,7 +461,7 @@ class Session:
         """
         return self.record_op(opname, operands, attrs)
 
-    def record_op(self, opname: str, operands: tuple[Operand, ...], attrs: dict[str, Any]) -> Tensor:
+    def record_op(self, opname: str, operands: tuple[Operand, ...], attrs: dict[str, object]) -> Tensor:
         """:meth:`apply` with the operands as a tuple and the attributes as a dict (what ``tfl.<op>`` calls).
 
         >>> import jax.numpy as jnp, tapeflow as tfl
@@ -579,7 +579,7 @@ class Session:
         self,
         opname: str,
         entry: R.FwdEntry,
-        attrs: dict[str, Any],
+        attrs: dict[str, object],
         operands: tuple[Operand, ...],
         tracked: bool,
         t: Tape,
