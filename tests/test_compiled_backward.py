@@ -22,11 +22,11 @@ F32 = np.float32
 def _train(build, fresh_each_step: bool, steps: int = 12):
     params, loss_fn = build()
     opt = tfl.Optimizer(optax.adam(1e-2), params)
-    s = tfl.Session()
+    s = tfl.Session(lazy=False)
     losses, compiled = [], []
     for _ in range(steps):
         if fresh_each_step:
-            s = tfl.Session()  # a new session's first backward always runs op by op
+            s = tfl.Session(lazy=False)  # a new session's first backward always runs op by op
         with s:
             loss = loss_fn(s)
             losses.append(float(loss))  # an eager value, there before the backward
@@ -51,7 +51,7 @@ def test_a_compiled_backward_equals_the_op_by_op_one(build):
 
 def test_read_gradients_of_a_compiled_backward_equal_op_by_op_ones():
     w = tfl.Param(np.linspace(-1, 1, 6, dtype=F32).reshape(2, 3), name="w")
-    s = tfl.Session()
+    s = tfl.Session(lazy=False)
     got = []
     for _ in range(2):
         with s:
@@ -63,7 +63,7 @@ def test_read_gradients_of_a_compiled_backward_equal_op_by_op_ones():
 
 def test_hooks_and_create_graph_stay_op_by_op():
     w = tfl.Param(np.ones(3, F32), name="w")
-    s = tfl.Session()
+    s = tfl.Session(lazy=False)
     for k in range(3):
         with s:
             h = s.input(np.ones(3, F32)) * w
@@ -87,7 +87,7 @@ def test_a_failing_vjp_raises_at_backward_with_the_tape_unchanged():
 
     tfl.defop("failing_vjp", fwd, vjp, replace=True)
     try:
-        s = tfl.Session()
+        s = tfl.Session(lazy=False)
         for _ in range(3):
             with s:
                 x = s.input(np.ones(2, F32), requires_grad=True)
