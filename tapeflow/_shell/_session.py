@@ -537,8 +537,10 @@ class Session:
         grad_on = not self._grad.depth
         tracked = self.grad_enabled and grad_on
         direct = self._param_source is None
-        # the call's event for the next recording to replay (a lazy op without casts, Params read directly)
-        sources: list[int] | None = [] if lazy and direct and self.precision is None else None
+        # the call's event for the next recording to replay (a lazy op, Params read directly, no policy); a
+        # session notes events from its second recording on (a session used once pays nothing for replay)
+        note = lazy and direct and self._generation and self.precision is None
+        sources: list[int] | None = [] if note else None
         for k, p in enumerate(plan):
             if type(p) is int:
                 ids.append(p)
@@ -774,7 +776,7 @@ class Session:
         """Make this recording the outline the next one replays (kept as it is when this one matched it whole)."""
         t, ol, lz = self._tape, self._outline, self._lazy
         n = len(t)
-        if n:
+        if n and self._events:
             if ol is None or not (ol.matched == n == len(ol.keys)):
                 ol = self._outline = Outline(self._events, [node_key(nd) for nd in t.nodes])
             else:
