@@ -705,24 +705,22 @@ class Session:
             self.materialize()  # the sweep below reads every value
         by_leaf: dict[NodeId, Any] | LazyGrads
         try:
-            if compiled and plan is None:
-                checked = root_and_seed(old, loss.id, seed)[1]
-                try:  # what fails to trace as one program runs op by op (a failing VJP raises its own error there)
-                    LazyGrads(struct, old, loss.id, None if seed is None else checked, ids).check()
+            if program and plan is None:
+                checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
+                pending = LazyGrads(struct, old, loss.id, None if seed is None else checked, ids)
+                try:
+                    pending.check()
                 except Exception:
-                    program = compiled = False
+                    if not compiled:
+                        raise
+                    program = False  # what fails to trace as one program runs op by op (a failing VJP raises there)
                     self._seen = None
+                if program and seed is None:
+                    self._lazy.plan = BackwardPlan.of(
+                        struct, loss.id, wrt_ids, self._params_by_leaf, self._storage_by_leaf, ids, groups
+                    )
             if program:  # computed on first read, or fused into the optimizer step that consumes them
-                if plan is None:
-                    checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
-                    by_leaf = LazyGrads(struct, old, loss.id, None if seed is None else checked, ids)
-                    by_leaf.check()
-                    if seed is None:
-                        self._lazy.plan = BackwardPlan.of(
-                            struct, loss.id, wrt_ids, self._params_by_leaf, self._storage_by_leaf, ids, groups
-                        )
-                else:  # checked when the plan was made
-                    by_leaf = LazyGrads(struct, old, loss.id, None, ids)
+                by_leaf = pending if plan is None else LazyGrads(struct, old, loss.id, None, ids)  # plan: checked
             elif create_graph:
                 with self._recording_eagerly():  # the sweep and the hooks read values
                     t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
