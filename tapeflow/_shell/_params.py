@@ -132,13 +132,20 @@ class Storage:
         >>> tfl.Storage.all_on([tfl.Storage(jnp.zeros(2))], jax.devices()[0])
         True
         """
-        for s in storages:
+        for s in storages:  # _where inlined: a compiled step's write-back makes no Python call per storage
             on = s._on
             if on is None:
                 on = s._on = device_of(s._current) or _SEVERAL
             if on is not device:
                 return False
         return True
+
+    def _where(self) -> jax.Device | _Several:
+        """The one device the current value lives on (found once per cell change), or ``_SEVERAL``."""
+        on = self._on
+        if on is None:
+            on = self._on = device_of(self._current) or _SEVERAL
+        return on
 
     @staticmethod
     def write_current_many(
@@ -197,23 +204,17 @@ class Storage:
         """
         if device is None:
             return self._current  # read_current()
-        on = self._on
-        if on is None:
-            on = self._on = device_of(self._current) or _SEVERAL
+        on = self._where()
         if on is device:
             return self._current  # the common case: the current value lives on the device asked for
         m = self._mirror
-        if m is None and self._host_current and device_of(self._host) == device:
-            return self._host  # the common case: the value lives on the device asked for
-        if not self._host_current and device_of(m) in (None, device):
-            return m
+        if not self._host_current and on is _SEVERAL:
+            return m  # a current mirror over several devices (or a tracer) is used as it is
         h = self._host
         if self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
             return h if self._host_current else self.read_host()
         if m is not None and device_of(m) == device:
             return m
-        if self._host_current and device_of(h) == device:
-            return h
         m = jax.device_put(self.read_host(), device)
         self._mirror = m
         return m
