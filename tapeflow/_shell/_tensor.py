@@ -475,7 +475,7 @@ def apply(opname: str, *operands: Operand, **attrs: object) -> Tensor:
     ...     y.value.tolist()
     [2.0, 2.0]
     """
-    return session_of(operands, opname).record_op(opname, operands, attrs)
+    return record_op(opname, operands, attrs)
 
 
 def record_op(opname: str, operands: tuple[Operand, ...], attrs: dict[str, object]) -> Tensor:
