@@ -11,6 +11,7 @@ from . import nn  # noqa: F401
 from ._core._backward import backward, backward_graph
 from ._core._jvp import jvp
 from ._core._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
+from ._core._nonfinite import NonFiniteError, Origin, nonfinite_origin
 from ._core._precision import dynamic_loss_scale
 from ._core._registry import REGISTRY, OpDef, ops
 from ._core._result import Err, Ok, Result, TapeError
@@ -92,9 +93,11 @@ __all__ = [
     "Err",
     "Grads",
     "Node",
+    "NonFiniteError",
     "Ok",
     "OpDef",
     "Optimizer",
+    "Origin",
     "Param",
     "ParameterGroup",
     "RationalFallbackWarning",
@@ -160,6 +163,7 @@ __all__ = [
     "mul",
     "ne",
     "neg",
+    "nonfinite_origin",
     "ops",
     "param_values",
     "permute",

@@ -34,7 +34,16 @@ from ._result import Err, TapeError
 from ._tape import Node, Tape, leaf, node_id, record
 from ._typing import Array, ArrayLike, AttrValue, NodeId
 
-__all__ = ["Hook", "add_cotangents", "backward", "backward_graph", "root_and_seed", "run_hooks", "zeros_like_spec"]
+__all__ = [
+    "Hook",
+    "add_cotangents",
+    "backward",
+    "backward_graph",
+    "root_and_seed",
+    "run_hooks",
+    "sweep",
+    "zeros_like_spec",
+]
 
 _add = jax.jit(jnp.add)
 _ONE: dict[np.dtype, np.ndarray] = {}
@@ -133,7 +142,7 @@ def _wanted(tape: Tape, wrt: Iterable[NodeId] | None) -> set[int] | None:
     return want
 
 
-def _sweep(
+def sweep(
     nodes: Sequence[Node],
     root: int,
     seed: C,
@@ -231,7 +240,7 @@ def backward(
         fn = R.get_vjp(nd.opdef, nd.attrs, specs, mask)
         return fn(g, nd.value, *[nodes[p].value for p in parents])
 
-    result = _sweep(nodes, root, seed_v, want, pull, add_cotangents, hooks)
+    result = sweep(nodes, root, seed_v, want, pull, add_cotangents, hooks)
     if want is not None:
         for w in want:
             if w not in result:
@@ -343,7 +352,7 @@ def backward_graph(
         return call
 
     wrapped = {i: [on_tape(h) for h in hs] for i, hs in hooks.items()} if hooks else None
-    result = _sweep(nodes, root, seed_id, want, pull, add, wrapped)
+    result = sweep(nodes, root, seed_id, want, pull, add, wrapped)
     if want is not None:
         for w in sorted(want - set(result)):
             t, result[w] = leaf(t, zeros_like_spec(nodes[w].spec))

@@ -27,6 +27,7 @@ import numpy as np
 from .._core._backward import add_cotangents
 from .._core._result import TapeError
 from .._core._typing import Array, NodeId
+from ._debug import NonFiniteCheck
 from ._params import Param, Storage, canonical_indices
 from ._tensor import Tensor
 
@@ -142,12 +143,17 @@ class Grads(Mapping[GradKey, Array]):
         self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
         self.released = False
         self._consumed: set[NodeId] = set()
+        # how non-finite gradients are checked and explained (set by the session's backward; None: not at all)
+        self.check: NonFiniteCheck | None = None
 
     @property
     def by_leaf(self) -> dict[NodeId, Array]:
         """``{leaf id: cotangent}`` (a lazy session's are computed here, on first read)."""
         if self.pending is not None:
-            self._by_leaf = self.pending.resolve()
+            got = self.pending.resolve()
+            if self.check is not None and self.check.debug:
+                self.check.verify(list(got.values()), "grads")  # raises with the gradients still pending
+            self._by_leaf = got
             self.pending = None
         return self._by_leaf
 
@@ -283,6 +289,7 @@ class Grads(Mapping[GradKey, Array]):
             return
         self.released = True
         self.pending = None
+        self.check = None  # lets go of the tape it explains
         self._by_leaf = {}
         self._sums = {}
 

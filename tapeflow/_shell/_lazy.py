@@ -74,8 +74,10 @@ S = TypeVar("S")
 
 F = TypeVar("F", bound=Callable[..., object])
 
-StepFn: TypeAlias = Callable[[list[tuple[Array, ...] | None], list[Array], OptState], S]
-"""A step over the slots' cotangents, ``(parts, values, state) -> outcome`` (the optimizer's :func:`tapeflow._train._step.step`)."""
+
+StepFn: TypeAlias = Callable[..., S]
+"""A step over the slots' cotangents, ``(parts, values, state, loss=None) -> outcome``: the optimizer's
+:func:`tapeflow._train._step.step` (``loss``, the root's value, when it checks it: ``debug_nans``); hashable."""
 
 
 def _intern(meta: NodeKey) -> int:
@@ -336,13 +338,15 @@ class LazyGrads:
         step_fn: StepFn[S],
         values: list[Array],
         state: OptState,
+        with_loss: bool = False,
     ) -> S:
         """Run the step program: the pending forward, the reverse sweep, then ``step_fn``; returns what it returns.
 
         ``slot_leaves[k]`` are the leaves (in recording order) whose cotangents
         update slot ``k`` (None: unused); ``step_fn(parts, values, state)`` is
         :func:`tapeflow._train._step.step` for one optimizer (part of the program's
-        key), given each slot's cotangents.
+        key), given each slot's cotangents; ``with_loss`` also hands it the root's
+        value (``loss=``, for ``debug_nans``).
         """
         pending, given = _split(self.tape)
         slots = tuple(slot_leaves)
@@ -362,11 +366,11 @@ class LazyGrads:
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 others = iter(rest)
                 values = [given[a] if a >= 0 else next(others) for a in alias]
-                return step_fn(parts, values, state), value
+                return step_fn(parts, values, state, loss=value if with_loss else None), value
 
             return jax.jit(program)
 
-        key = self._key("step", pending, slots, alias, step_fn)
+        key = self._key("step", pending, slots, alias, step_fn, with_loss)
         out, root = _program(key, build)(given, self.seed, rest, state)
         self._set_root(root)
         return out

@@ -38,11 +38,13 @@ from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, ru
 from .._core._backward import backward as _tape_backward
 from .._core._device import concrete_array_type, default_device, resolve_device
 from .._core._jvp import jvp_keys
+from .._core._nonfinite import Origin, nonfinite_origin
 from .._core._precision import Precision, cast_operands
 from .._core._registry import attr_key as _attr_key
 from .._core._result import Err, TapeError
 from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
+from ._debug import NonFiniteCheck, Sites, debug_nans_default, locate
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
 from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, eager_fingerprint, materialize
@@ -102,6 +104,13 @@ class Session:
         step, cached by the recording's structure (:mod:`tapeflow._shell._lazy`).
         Errors are still raised at record time. Exact-rational ops run eagerly.
         None (default): False.
+    debug_nans:
+        True checks every backward's loss and gradients for NaN and infinity
+        (one fused check) and raises :class:`~tapeflow.NonFiniteError`, with
+        nothing updated, naming the op, node, line and module that made the
+        first non-finite value (see :mod:`tapeflow._core._nonfinite`). Each op
+        notes the line that recorded it. None (default): the environment
+        variable ``TAPEFLOW_DEBUG_NANS``.
 
     Examples
     --------
@@ -125,6 +134,7 @@ class Session:
         check_same_thread: bool = True,
         compute_dtype: DTypeLike | None = None,
         lazy: bool = False,
+        debug_nans: bool | None = None,
     ) -> None:
         self._setup(
             resolve_device(device) if device is not None else default_device(),
@@ -134,6 +144,7 @@ class Session:
             check_same_thread=check_same_thread,
             compute_dtype=compute_dtype,
             mode="lazy" if lazy else "eager",
+            debug_nans=debug_nans_default(debug_nans),
         )
 
     def _setup(
@@ -148,6 +159,7 @@ class Session:
         mode: Mode,
         key: PRNGKey | None = None,
         params: ParamSource | None = None,
+        debug_nans: bool = False,
     ) -> None:
         """Every field of a session; the public constructor and the private factories below all end here."""
         self._thread: int | None = threading.get_ident() if check_same_thread else None
@@ -176,6 +188,8 @@ class Session:
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
         self._seen: Fingerprint | None = None  # an eager session's last backward's structure
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
+        self.debug_nans = debug_nans
+        self._sites: Sites | None = Sites() if debug_nans else None  # debug_nans: where each node was recorded
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -369,6 +383,8 @@ class Session:
                 ol.follow(t)  # nodes recorded outside the replay fast path still match the outline?
         elif len(t) < len(self._lazy.keys):  # an eager session keys its structure for a compiled backward
             self._lazy.truncate(len(t))
+        if self._sites is not None:
+            self._sites.note(len(self._tape), len(t))
         self._tape = t
         note_recorded(self._ref)
 
@@ -490,6 +506,8 @@ class Session:
                 if got is not None:
                     new, params = got
                     t = append_nodes(t0, new)
+                    if self._sites is not None:
+                        self._sites.note(len(t0), len(t))
                     self._tape = ol.tape = t
                     note_recorded(self._ref)
                     ol.matched = n = n0 + len(new)
@@ -728,7 +746,12 @@ class Session:
                 by_leaf = {i: self._handle(j) for i, j in by_id.items()}
             else:
                 by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
+            check = self._nonfinite_check(old, loss.id, seed)
+            if check is not None and check.debug and not program:
+                got = cast(dict[NodeId, Any], by_leaf).values()
+                check.verify([self.node(h).value for h in got] if create_graph else list(got), "backward")
             grads = Grads(by_leaf, groups, self._owner, self._generation)
+            grads.check = check
             self._state_log.attach(grads)
             for group in grads.groups:
                 if group.storage is not None and group.storage.hooks:
@@ -738,6 +761,35 @@ class Session:
             self._commit(old)  # hooks may have recorded on the tape: none of it happened
             raise
         return grads
+
+    def _nonfinite_check(self, tape: Tape, root: NodeId, seed: Array | None) -> NonFiniteCheck | None:
+        """How this backward's non-finite gradients are checked (debug_nans) and explained (also for check_finite).
+
+        An eager session's tape holds every forward value, so an optimizer's
+        ``check_finite`` refusal can name the origin at no cost; a lazy session's
+        would have to recompute it, which only ``debug_nans`` asks for.
+        """
+        if self._mode == "traced" or (not self.debug_nans and self._mode != "eager"):
+            return None  # a traced session's caller (train_step, value_and_grad) checks its program's outputs
+        return NonFiniteCheck(self.debug_nans, tape, root, seed, self._sites, self._params_by_leaf)
+
+    def nonfinite_origin(self, loss: Tensor, seed: Array | None = None) -> Origin | None:
+        """Where the first non-finite value reaching ``loss`` or its gradients was made (None: all finite).
+
+        The search of :func:`tapeflow.nonfinite_origin` on this recording, with the
+        Param names, and (``debug_nans=True``) each op's line and module path.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> x = s.input(jnp.array([1.0, 0.0]))
+        >>> o = s.nonfinite_origin(tfl.sum(tfl.log(x)))
+        >>> o.phase, o.op, o.node
+        ('forward', 'log', 1)
+        """
+        check_handle(loss, self)
+        self.materialize()
+        origin = nonfinite_origin(self._tape, loss.id, seed)
+        return None if origin is None else locate(origin, self._sites, self._params_by_leaf)
 
     def _seen_before(self, tape: Tape) -> bool:
         """Whether this eager session's last backward had ``tape``'s structure (and this one may be compiled)."""
@@ -766,6 +818,8 @@ class Session:
         self._storage_by_leaf = {}
         self._grad.clear()
         self._state_log = StateLog()
+        if self._sites is not None:
+            self._sites = Sites()
         if self._mode != "traced":
             self._lazy = LazyRecording(self._lazy.plan)  # pending values nobody read are dropped with the tape
         self._generation += 1
@@ -983,7 +1037,10 @@ class Session:
 
 
 def traced_session(
-    overrides: Mapping[Storage, Array], key: PRNGKey | None, compute_dtype: DTypeLike | None = None
+    overrides: Mapping[Storage, Array],
+    key: PRNGKey | None,
+    compute_dtype: DTypeLike | None = None,
+    debug_nans: bool = False,
 ) -> Session:
     """The session :func:`~tapeflow.value_and_grad` and :func:`~tapeflow.train_step` trace (mode ``"traced"``).
 
@@ -991,6 +1048,7 @@ def traced_session(
     parameter tracers); any other use reads the storage and is listed in
     :attr:`Session.unlisted_storages`; a state write only records the new value.
     Random tensors derive from ``key`` (None: seed 0). On JAX's default device.
+    ``debug_nans`` notes each op's line (the search after a non-finite step).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> w = tfl.Param(jnp.ones(2))
@@ -1009,6 +1067,7 @@ def traced_session(
         mode="traced",
         key=key,
         params=ParamSource(dict(overrides)),
+        debug_nans=debug_nans,
     )
     return s
 

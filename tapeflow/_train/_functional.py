@@ -28,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._core import _registry as R
 from .._core._device import concrete_array_type
 from .._core._interrupts import deferred_interrupts
+from .._core._nonfinite import NonFiniteError
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 from .._shell._commit import traced_write
+from .._shell._debug import debug_nans_default, finite_flag
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
@@ -73,8 +76,9 @@ def _trace_loss(
     args: tuple[PyTree, ...],
     kwargs: dict[str, PyTree],
     compute_dtype: DTypeLike | None = None,
+    debug_nans: bool = False,
 ) -> tuple[Session, Tensor, PyTree]:
-    s = traced_session(overrides, key, compute_dtype)
+    s = traced_session(overrides, key, compute_dtype, debug_nans)
     with s.as_current():
         out: PyTree = loss_fn(s, *args, **kwargs)
     if has_aux:
@@ -114,8 +118,32 @@ def _leaf_path(params: PyTree, i: int) -> str:
     return jax.tree_util.keystr(path)
 
 
+def _origin_error(
+    message: str,
+    loss_fn: LossFn,
+    has_aux: bool,
+    overrides: dict[Storage, Array],
+    key: PRNGKey | None,
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+    compute_dtype: DTypeLike | None,
+) -> NonFiniteError:
+    """A :class:`NonFiniteError` for a compiled call that was not finite: ``loss_fn`` run again, op by op, to find why.
+
+    The values are the call's (the parameters it was given, its batch, its
+    random key), so the recording is the one the program computed.
+    """
+    s, loss, _ = _trace_loss(loss_fn, has_aux, overrides, key, args, kwargs, compute_dtype, debug_nans=True)
+    return NonFiniteError(message, s.nonfinite_origin(loss))
+
+
 def value_and_grad(
-    loss_fn: LossFn, *, has_aux: bool = False, has_state: bool = False, compute_dtype: DTypeLike | None = None
+    loss_fn: LossFn,
+    *,
+    has_aux: bool = False,
+    has_state: bool = False,
+    compute_dtype: DTypeLike | None = None,
+    debug_nans: bool | None = None,
 ) -> Callable[..., tuple[PyTree, ...]]:
     """Turn ``loss_fn(session, *args)`` into a pure ``f(params, *args) -> (loss, grads)``.
 
@@ -145,6 +173,14 @@ def value_and_grad(
     ``params``. ``compute_dtype`` sets the session's mixed-precision policy,
     as ``Session(compute_dtype=...)``.
 
+    ``debug_nans=True`` (None: the environment variable ``TAPEFLOW_DEBUG_NANS``)
+    checks the loss and the gradients of every call: a non-finite one raises
+    :class:`~tapeflow.NonFiniteError` naming the op that made the first
+    non-finite value (``loss_fn`` is run again op by op on the call's values to
+    find it). Called under ``jax.jit`` the check runs inside the program, and
+    JAX reports the error as a ``JaxRuntimeError`` whose message holds the
+    ``NonFiniteError``'s text.
+
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
     >>> def loss_fn(s, x):
@@ -173,7 +209,7 @@ def value_and_grad(
                 )
         storages = [p.storage for p in leaves]
         overrides = {p.storage: p.value for p in leaves}
-        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype)
+        s, loss, aux = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype, debug)
         unlisted = s.unlisted_storages
         if unlisted and any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((leaves, args, kwargs))):
             raise TapeError(
@@ -199,6 +235,8 @@ def value_and_grad(
             )
         gl, _ = _storage_grads(s, loss, storages)
         value = s.node(loss).value
+        if debug:
+            _check_call(storages, [p.value for p in leaves], value, gl, rng, args, kwargs)
         grads = jax.tree_util.tree_unflatten(treedef, gl)
         out = ((value, aux), grads) if has_aux else (value, grads)
         if not has_state:
@@ -206,6 +244,30 @@ def value_and_grad(
         state = jax.tree_util.tree_unflatten(treedef, [writes.get(st) for st in storages])
         return (*out, state)
 
+    def _check_call(
+        storages: list[Storage],
+        values: list[Array],
+        loss: Array,
+        grads: list[Array],
+        rng: PRNGKey | None,
+        args: tuple[PyTree, ...],
+        kwargs: dict[str, PyTree],
+    ) -> None:
+        message = "value_and_grad: the loss or a gradient is not finite (debug_nans)"
+
+        def raise_if_bad(ok: Array, values: list[Array], rng: PRNGKey | None, args: PyTree, kwargs: PyTree) -> None:
+            if not bool(ok):
+                overrides = dict(zip(storages, values))
+                raise _origin_error(message, loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype)
+
+        checked = [loss, *grads]
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((checked, values, args, kwargs))):
+            flag = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked if R.is_float(np.dtype(x.dtype))]))
+            jax.debug.callback(raise_if_bad, flag, values, rng, args, kwargs)  # the search runs on the host
+        else:
+            raise_if_bad(np.asarray(finite_flag(checked)), values, rng, args, kwargs)
+
+    debug = debug_nans_default(debug_nans)
     functools.update_wrapper(f, loss_fn, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     return f
 
@@ -222,7 +284,7 @@ class TrainStepOptions(TypedDict, total=False):
     """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
 
     >>> sorted(TrainStepOptions.__annotations__)
-    ['compute_dtype', 'data_axis', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
+    ['compute_dtype', 'data_axis', 'debug_nans', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
     """
 
     mesh: Mesh | None
@@ -233,6 +295,7 @@ class TrainStepOptions(TypedDict, total=False):
     seed: int
     static_argnames: tuple[str, ...] | list[str] | str
     compute_dtype: DTypeLike | None
+    debug_nans: bool | None
 
 
 class TrainStep:
@@ -258,8 +321,10 @@ class TrainStep:
         seed: int = 0,
         static_argnames: tuple[str, ...] | list[str] | str = (),
         compute_dtype: DTypeLike | None = None,
+        debug_nans: bool | None = None,
     ) -> None:
         self.loss_fn = loss_fn
+        self.debug_nans = debug_nans_default(debug_nans)
         self.compute_dtype = compute_dtype
         self.static_argnames = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.optimizer = optimizer
@@ -273,7 +338,7 @@ class TrainStep:
         # the abstract signatures traced so far: one compiled program each (see cache_size)
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
-        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8))
+        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8, 9))
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
         # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
@@ -298,6 +363,7 @@ class TrainStep:
         check_finite: bool,
         extra_values: list[Array],
         modes: tuple[tuple[int, bool], ...],
+        debug_nans: bool = False,
     ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None, dict[int, Array]]:
         self.trace_count += 1
         leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
@@ -332,11 +398,12 @@ class TrainStep:
                 )
         self._state_cells.update((st.uid, st) for st in writes)
         state_out = {st.uid: v for st, v in writes.items()}
-        out = _step.step(opt.rule, parts, values, state, check_finite)
+        loss_value = s.node(loss).value
+        out = _step.step(opt.rule, parts, values, state, check_finite, loss_value if debug_nans else None)
         next_counter = counter + 1
         if out.finite is not None:  # a refused step keeps the counter, as it keeps every other value
             next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
-        return out.values, out.state, next_counter, s.node(loss).value, aux, out.finite, state_out
+        return out.values, out.state, next_counter, loss_value, aux, out.finite, state_out
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
@@ -446,9 +513,10 @@ class TrainStep:
                     args,
                     kwargs,
                     static,
-                    bool(opt.check_finite),
+                    bool(opt.check_finite) or self.debug_nans,
                     extra_values,
                     self._modes() if self._moded else (),
+                    self.debug_nans,
                 )
                 break
             except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
@@ -481,6 +549,9 @@ class TrainStep:
                     state_writes=cells,
                     restore_on_refusal=self.donate,  # the donated old values exist only as the program's outputs
                     traced=True,
+                    explain=functools.partial(self._explain, args, kwargs, static, counter)
+                    if self.debug_nans
+                    else None,
                 )
             except TapeError:
                 if self.donate:
@@ -490,6 +561,25 @@ class TrainStep:
             self.step_count += 1
             self._counter_step = self.step_count
         return (loss, aux) if self.has_aux else loss
+
+    def _explain(
+        self,
+        args: tuple[PyTree, ...],
+        kwargs: dict[str, PyTree],
+        static: tuple[tuple[str, Hashable], ...],
+        counter: Array,
+        message: str,
+    ) -> NonFiniteError:
+        """The error of a refused ``debug_nans`` step: ``loss_fn`` run again op by op on this step's values.
+
+        Runs after the refusal, so the storages hold this step's inputs again
+        (put back first when they were donated) and ``counter`` is the step's.
+        """
+        overrides = dict(zip(self.optimizer.storages, Storage.read_current_many(self.optimizer.storages)))
+        overrides.update(zip(self._extra, Storage.read_current_many(self._extra)))
+        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
+        kwargs = {**kwargs, **dict(static)}
+        return _origin_error(message, self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype)
 
     def _modes(self) -> tuple[tuple[int, bool], ...]:
         """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
@@ -542,6 +632,11 @@ def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainSte
       new value compiles a new program.
     * ``compute_dtype``: the mixed-precision policy of the session ``loss_fn``
       records on, as ``Session(compute_dtype=...)`` (float32 master weights).
+    * ``debug_nans`` (None: the environment variable ``TAPEFLOW_DEBUG_NANS``): the
+      program also checks that the loss and every gradient are finite; a step
+      that is not raises :class:`~tapeflow.NonFiniteError` with nothing updated,
+      naming the op, line and module that made the first non-finite value
+      (found by running ``loss_fn`` again op by op on the step's values).
 
     State cells (non-trainable Params that ``loss_fn`` assigns with
     :meth:`Session.assign_state`, such as BatchNorm's running statistics in

@@ -41,14 +41,14 @@ from .._shell._params import Param, Storage, canonical_indices
 from .._shell._state import StateLog, state_log_of
 from . import _step
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
-from ._step import SlotParts, SlotRule, StepOutcome, check_parts, finish
+from ._step import SlotRule, StepOutcome, check_parts, finish
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 
 GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
 """What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
 
-StepFn: TypeAlias = Callable[[SlotParts, Sequence[Array], OptState], StepOutcome]
+StepFn: TypeAlias = Callable[..., StepOutcome]  # (parts, values, state, loss=None) -> outcome
 """:func:`tapeflow._train._step.step` for one optimizer and finite-check flag, as a lazy step program calls it."""
 
 
@@ -402,7 +402,11 @@ class Optimizer:
         storages = self.check_layout()
         check = self.check_finite if check_finite is None else check_finite
         then = () if log is None else (log.commit,)
-        if isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads) and self._fused(grads, check, then):
+        nf = grads.check if isinstance(grads, Grads) else None
+        debug = nf is not None and nf.debug  # debug_nans: every step is checked, the loss too
+        explain = None if nf is None else nf.error
+        fusable = isinstance(grads, Grads) and isinstance(grads.pending, LazyGrads)
+        if fusable and self._fused(cast(Grads, grads), check or debug, then, debug, explain):
             return
         parts, groups = self._collect(grads)
         check_parts(self.rule, parts, "Optimizer.step")
@@ -426,11 +430,18 @@ class Optimizer:
             if isinstance(grads, Grads):
                 grads.consume(mine)  # a failed update still lets go of the gradients it used
             raise
-        finish(self.rule, storages, out, used, "Optimizer.step", self, then=then)
+        finish(self.rule, storages, out, used, "Optimizer.step", self, then=then, explain=explain)
         if isinstance(grads, Grads):
             grads.consume(mine)  # lets go of what this step used; of everything once every group is used
 
-    def _fused(self, grads: Grads, check_finite: bool, then: Sequence[Callable[[], None]]) -> bool:
+    def _fused(
+        self,
+        grads: Grads,
+        check_finite: bool,
+        then: Sequence[Callable[[], None]],
+        debug: bool = False,
+        explain: Callable[[str], TapeError] | None = None,
+    ) -> bool:
         """A lazy session's unread gradients and the step as one program (as ``train_step``); False: not fusable.
 
         It fuses when this optimizer consumes every parameter group of ``grads``
@@ -458,7 +469,7 @@ class Optimizer:
             device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
             values = [st.read(device) for st in storages]
             current = all(v is st.read_current() for v, st in zip(values, storages))
-            out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state)
+            out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state, with_loss=debug)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
@@ -476,6 +487,7 @@ class Optimizer:
                 replacing=values if current else None,
                 then=then,
                 traced=True,
+                explain=explain,
             )
         except BaseException:
             grads.pending = lazy  # as step: a refused step leaves the gradients readable

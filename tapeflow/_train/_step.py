@@ -152,8 +152,19 @@ def check_parts(rule: SlotRule, parts: SlotParts, where: str) -> None:
                 raise TapeError(f"{where}: gradient for {rule.describe(k)} was already released")
 
 
-def step(rule: SlotRule, parts: SlotParts, values: Sequence[Array], state: OptState, check_finite: bool) -> StepOutcome:
+def step(
+    rule: SlotRule,
+    parts: SlotParts,
+    values: Sequence[Array],
+    state: OptState,
+    check_finite: bool,
+    loss: Array | None = None,
+) -> StepOutcome:
     """One optax update of the slot ``values`` from the per-leaf cotangents ``parts``: pure, traceable.
+
+    With ``check_finite``, ``finite`` has one flag per slot's summed gradient,
+    and one more for ``loss`` when it is given (``debug_nans``: a non-finite
+    loss refuses the step too).
 
     An unused slot (``parts[k] is None``) keeps its value and its per-parameter
     state; when no slot is used nothing changes, not even shared state such as
@@ -165,7 +176,8 @@ def step(rule: SlotRule, parts: SlotParts, values: Sequence[Array], state: OptSt
     summed = [None if p is None else p[0] if len(p) == 1 else _grads.sum_in_leaf_order(list(p)) for p in parts]
     finite = None
     if check_finite:
-        finite = jnp.stack([jnp.array(True) if g is None else jnp.all(jnp.isfinite(g)) for g in summed])
+        flags = [jnp.array(True) if g is None else jnp.all(jnp.isfinite(g)) for g in summed]
+        finite = jnp.stack(flags if loss is None else [*flags, jnp.all(jnp.isfinite(loss))])
     if not any(used):
         return StepOutcome(list(values), state, finite)
     grads = [jnp.zeros_like(values[k]) if g is None else g for k, g in enumerate(summed)]
@@ -195,7 +207,7 @@ def step(rule: SlotRule, parts: SlotParts, values: Sequence[Array], state: OptSt
 
 
 def refused(finite: Array | None) -> int | None:
-    """The first slot whose summed gradient was not finite (None: the step is accepted)."""
+    """The first slot whose summed gradient was not finite, or the number of slots for the loss (None: accepted)."""
     if finite is None:
         return None
     flags = np.asarray(finite)
@@ -215,6 +227,7 @@ def finish(
     then: Iterable[Callable[[], None]] = (),
     restore_on_refusal: bool = False,
     traced: bool = False,
+    explain: Callable[[str], TapeError] | None = None,
 ) -> None:
     """Write the outcome of :func:`step`, or refuse a non-finite one with nothing changed.
 
@@ -226,7 +239,9 @@ def finish(
     old values the program handed back into the storages, so they stay readable.
     ``traced=True``: ``out`` is a compiled program's, traced through :func:`step`
     (which checked every new value's shape and dtype): see
-    :func:`~tapeflow._shell._commit.commit`.
+    :func:`~tapeflow._shell._commit.commit`. ``explain(message)`` makes the
+    error of a refused step (a :class:`~tapeflow.NonFiniteError` naming where the
+    non-finite values came from); it runs only after the refusal is decided.
     """
     if isinstance(out.finite, jax.core.Tracer):  # the step ran inside a jax transformation: nothing to write
         raise traced_write(where, "the step's result")
@@ -239,7 +254,9 @@ def finish(
                 replacing=replacing,
                 then=[partial(setattr, owner, "state", out.state)],
             )
-        raise TapeError(f"{where}: non-finite gradient for {rule.describe(bad)}; nothing was updated")
+        what = "the loss is not finite" if bad >= len(rule.specs) else f"non-finite gradient for {rule.describe(bad)}"
+        message = f"{where}: {what}; nothing was updated"
+        raise TapeError(message) if explain is None else explain(message)
     slots = [k for k, u in enumerate(used) if u]
     writes = [(storages[k], out.values[k]) for k in slots] + list(state_writes)
     commit(

@@ -19,6 +19,7 @@ from typing import Any, Self
 
 from .._core import _treescope
 from .._core._registry import fmt_spec
+from .._shell import _debug
 from .._shell._params import Param, canonical_indices
 from .._shell._state import note_mode_read
 
@@ -106,7 +107,14 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        if not _debug.tracking:
+            return self.forward(*args, **kwargs)
+        stack = _debug.module_stack()  # debug_nans: which module call recorded each op
+        stack.append(self)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            stack.pop()
 
     # -- discovery ---------------------------------------------------------------
     def named_members(self) -> Iterator[tuple[str, Param | Module]]:
