@@ -21,8 +21,8 @@ forward sqrt 1 <doctest tapeflow._shell._debug[3]>
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import CodeType, FrameType
@@ -85,7 +85,7 @@ def module_stack() -> list[object]:
 
 def _caller() -> tuple[str, int] | None:
     """``(file, line)`` of the first frame outside tapeflow: the user's code that recorded an op."""
-    f: FrameType | None = sys._getframe(2)
+    f: FrameType | None = inspect.currentframe()  # tapeflow's own frames are skipped below
     inside = _INSIDE
     while f is not None:
         code = f.f_code
