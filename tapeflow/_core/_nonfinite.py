@@ -178,7 +178,8 @@ class NonFiniteError(TapeError):
     its fields: ``phase``, ``op``, ``node``, ``where``, ``module`` and
     ``operands``.
 
-    >>> issubclass(NonFiniteError, tfl.TapeError)
+    >>> import tapeflow as tfl
+    >>> issubclass(tfl.NonFiniteError, tfl.TapeError)
     True
     """
 

@@ -38,13 +38,13 @@ from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, ru
 from .._core._backward import backward as _tape_backward
 from .._core._device import concrete_array_type, default_device, resolve_device
 from .._core._jvp import jvp_keys
-from .._core._nonfinite import Origin, nonfinite_origin
+from .._core._nonfinite import Origin
 from .._core._precision import Precision, cast_operands
 from .._core._registry import attr_key as _attr_key
 from .._core._result import Err, TapeError
 from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
-from ._debug import NonFiniteCheck, Sites, debug_nans_default, locate
+from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
 from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, eager_fingerprint, materialize
@@ -788,8 +788,7 @@ class Session:
         """
         check_handle(loss, self)
         self.materialize()
-        origin = nonfinite_origin(self._tape, loss.id, seed)
-        return None if origin is None else locate(origin, self._sites, self._params_by_leaf)
+        return NonFiniteCheck(self.debug_nans, self._tape, loss.id, seed, self._sites, self._params_by_leaf).explain()
 
     def _seen_before(self, tape: Tape) -> bool:
         """Whether this eager session's last backward had ``tape``'s structure (and this one may be compiled)."""
