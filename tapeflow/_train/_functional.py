@@ -127,13 +127,14 @@ def _origin_error(
     args: tuple[PyTree, ...],
     kwargs: dict[str, PyTree],
     compute_dtype: DTypeLike | None,
+    lines: bool = True,
 ) -> NonFiniteError:
     """A :class:`NonFiniteError` for a compiled call that was not finite: ``loss_fn`` run again, op by op, to find why.
 
     The values are the call's (the parameters it was given, its batch, its
     random key), so the recording is the one the program computed.
     """
-    s, loss, _ = _trace_loss(loss_fn, has_aux, overrides, key, args, kwargs, compute_dtype, debug_nans=True)
+    s, loss, _ = _trace_loss(loss_fn, has_aux, overrides, key, args, kwargs, compute_dtype, debug_nans=lines)
     return NonFiniteError(message, s.nonfinite_origin(loss))
 
 
@@ -549,9 +550,7 @@ class TrainStep:
                     state_writes=cells,
                     restore_on_refusal=self.donate,  # the donated old values exist only as the program's outputs
                     traced=True,
-                    explain=functools.partial(self._explain, args, kwargs, static, counter)
-                    if self.debug_nans
-                    else None,
+                    explain=functools.partial(self._explain, args, kwargs, static, counter),  # as eager's check_finite
                 )
             except TapeError:
                 if self.donate:
@@ -579,7 +578,9 @@ class TrainStep:
         overrides.update(zip(self._extra, Storage.read_current_many(self._extra)))
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         kwargs = {**kwargs, **dict(static)}
-        return _origin_error(message, self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype)
+        return _origin_error(
+            message, self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, self.debug_nans
+        )
 
     def _modes(self) -> tuple[tuple[int, bool], ...]:
         """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
