@@ -39,6 +39,7 @@ __all__ = [
     "add_cotangents",
     "backward",
     "backward_graph",
+    "node_cotangents",
     "root_and_seed",
     "run_hooks",
     "sweep",
@@ -203,6 +204,23 @@ def sweep(
     return result
 
 
+def node_cotangents(
+    nodes: Sequence[Node], values: Sequence[Array] | None, i: int, g: Array, mask: tuple[bool, ...]
+) -> Sequence[Array]:
+    """The cotangents of node ``i``'s masked operands, given its cotangent ``g``: its own ``opdef``'s VJP.
+
+    The forward values are ``values`` (by node id), or the nodes' own when None.
+    """
+    nd = nodes[i]
+    assert nd.opdef is not None  # the sweep pulls through op nodes only
+    parents = nd.parents
+    specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
+    fn = R.get_vjp(nd.opdef, nd.attrs, specs, mask)
+    if values is None:
+        return fn(g, nd.value, *[nodes[p].value for p in parents])
+    return fn(g, values[i], *[values[p] for p in parents])
+
+
 def backward(
     tape: Tape,
     root: int,
@@ -234,11 +252,7 @@ def backward(
     nodes = list(tape.nodes)  # a list: the sweep reads each node several times
 
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
-        parents = nd.parents
-        assert nd.opdef is not None  # the sweep pulls through op nodes only
-        specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
-        fn = R.get_vjp(nd.opdef, nd.attrs, specs, mask)
-        return fn(g, nd.value, *[nodes[p].value for p in parents])
+        return node_cotangents(nodes, None, i, g, mask)
 
     result = sweep(nodes, root, seed_v, want, pull, add_cotangents, hooks)
     if want is not None:

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _registry as R
-from ._backward import add_cotangents, root_and_seed, sweep
+from ._backward import add_cotangents, node_cotangents, root_and_seed, sweep
 from ._node import PENDING, Node
 from ._result import TapeError
-from ._tape import Tape, node_id
+from ._tape import Tape, computed_values, node_id
 from ._typing import Array, ArrayLike
 
 __all__ = ["NonFiniteError", "OperandInfo", "Origin", "all_finite", "nonfinite_origin"]
@@ -247,23 +247,6 @@ def _backward_hint(nd: Node) -> str | None:
 # --------------------------------------------------------------------------- the search
 
 
-def _values(tape: Tape, upto: int) -> list[Array]:
-    """Every value of nodes ``0..upto``: a lazy recording's pending ones computed op by op with their own opdef."""
-    nodes = tape.nodes
-    out: list[Array] = []
-    for i in range(upto + 1):
-        nd = nodes[i]
-        v = nd.value
-        if v is PENDING:
-            assert nd.opdef is not None
-            entry = R.get_fwd(nd.opdef, nd.attrs, tuple([nodes[p].spec for p in nd.parents]))
-            if isinstance(entry, str):
-                raise TapeError(f"nonfinite_origin: cannot compute node #{i} ({nd.op}): {entry}")
-            v = entry.fn(*[out[p] for p in nd.parents])
-        out.append(v)
-    return out
-
-
 def _forward_origin(nodes: Sequence[Node], values: list[Array], root: int) -> Origin | None:
     memo: dict[int, bool] = {}
 
@@ -304,8 +287,7 @@ def _backward_origin(nodes: Sequence[Node], values: list[Array], root: int, seed
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
         assert nd.opdef is not None
         parents = nd.parents
-        specs = tuple([(nodes[p].shape, nodes[p].dtype) for p in parents])
-        cts = R.get_vjp(nd.opdef, nd.attrs, specs, mask)(g, values[i], *[values[p] for p in parents])
+        cts = node_cotangents(nodes, values, i, g, mask)
         if _finite(g) and not all_finite(cts):
             raise _Found(_vjp_origin(nodes, values, i, g, cts, mask, senders.get(i, [])))
         for p, m in zip(parents, mask):
@@ -358,8 +340,10 @@ def nonfinite_origin(tape: Tape, root: object, seed: ArrayLike | None = None) ->
     """
     r = node_id(tape, root, "nonfinite_origin", "root")
     r, seed_v = root_and_seed(tape, r, seed)
-    nodes = list(tape.nodes)
-    values = _values(tape, r)
+    nodes = list(tape.nodes)[: r + 1]  # nothing after the root reaches it
+    pending = {i for i, nd in enumerate(nodes) if nd.value is PENDING}  # a lazy recording's: computed op by op
+    given = [nd.value for nd in nodes if nd.value is not PENDING]
+    values = computed_values(nodes, pending, given, "nonfinite_origin")
     origin = _forward_origin(nodes, values, r)
     if origin is None and nodes[r].requires_grad:
         origin = _backward_origin(nodes, values, r, seed_v)

@@ -25,7 +25,7 @@ value sharing that node sees it; nothing else about a node ever changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "append_nodes",
     "append_op",
     "check_op",
+    "computed_values",
     "fill_pending",
     "keep_tape_on_error",
     "leaf",
@@ -197,6 +198,33 @@ class Tape:
             )
         rows.append("</table>")
         return "\n".join(rows)
+
+
+def computed_values(nodes: Sequence[Node], pending: Container[int], given: Iterable[Array], where: str) -> list[Array]:
+    """Every node's value: a ``pending`` node's computed from its parents with its own ``opdef``, the others from ``given``.
+
+    ``given`` holds the values of the nodes that are not pending, in node
+    order. Runs eagerly, or inside a trace (a lazy program). A node that can no
+    longer be computed raises :class:`TapeError` naming ``where``.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.ones(2))
+    >>> t, y = record(t, "exp", (x,))
+    >>> [v.tolist() for v in computed_values(list(t.nodes), {1}, [jnp.zeros(2)], "doc")]
+    [[0.0, 0.0], [1.0, 1.0]]
+    """
+    values: list[Array] = []
+    it = iter(given)
+    for i, nd in enumerate(nodes):
+        if i in pending:
+            assert nd.opdef is not None
+            entry = R.get_fwd(nd.opdef, nd.attrs, tuple([nodes[p].spec for p in nd.parents]))  # its own definition
+            if isinstance(entry, str):
+                raise TapeError(f"{where}: cannot compute node #{i}: {nd.op}: {entry}")
+            values.append(entry.fn(*[values[p] for p in nd.parents]))
+        else:
+            values.append(next(it))
+    return values
 
 
 def with_values(tape: Tape, values: Sequence[Any]) -> Tape:

@@ -48,8 +48,7 @@ import jax.numpy as jnp
 from .._core import _registry as R
 from .._core._backward import backward as tape_backward
 from .._core._kernels import KernelCache
-from .._core._result import TapeError
-from .._core._tape import PENDING, Tape, fill_pending, with_values
+from .._core._tape import PENDING, Tape, computed_values, fill_pending, with_values
 from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
 from ._params import Storage
@@ -221,19 +220,7 @@ def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
 
 def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
     """Inside a trace: a tape like ``tape`` whose pending nodes are computed from ``given`` (the other values)."""
-    src = tape.nodes
-    values: list[Array] = []
-    it = iter(given)
-    for i, nd in enumerate(src):
-        if i in pending:
-            assert nd.opdef is not None
-            entry = R.get_fwd(nd.opdef, nd.attrs, tuple([src[p].spec for p in nd.parents]))  # its own definition
-            if isinstance(entry, str):
-                raise TapeError(f"lazy session: cannot compute node #{i}: {nd.op}: {entry}")
-            values.append(entry.fn(*[values[p] for p in nd.parents]))
-        else:
-            values.append(next(it))
-    return with_values(tape, values)
+    return with_values(tape, computed_values(list(tape.nodes), pending, given, "lazy session"))
 
 
 def _skeleton(tape: Tape) -> Tape:

@@ -118,23 +118,14 @@ def _leaf_path(params: PyTree, i: int) -> str:
     return jax.tree_util.keystr(path)
 
 
-def _origin_error(
-    message: str,
-    loss_fn: LossFn,
-    has_aux: bool,
-    overrides: dict[Storage, Array],
-    key: PRNGKey | None,
-    args: tuple[PyTree, ...],
-    kwargs: dict[str, PyTree],
-    compute_dtype: DTypeLike | None,
-    lines: bool = True,
-) -> NonFiniteError:
-    """A :class:`NonFiniteError` for a compiled call that was not finite: ``loss_fn`` run again, op by op, to find why.
+def _origin_error(message: str, rerun: tuple[Session, Tensor, PyTree]) -> NonFiniteError:
+    """A :class:`NonFiniteError` for a compiled call that was not finite, explained by ``rerun``.
 
-    The values are the call's (the parameters it was given, its batch, its
-    random key), so the recording is the one the program computed.
+    ``rerun`` is :func:`_trace_loss` of the call's own values (the parameters it
+    was given, its batch, its random key), run op by op, so the recording is the
+    one the program computed.
     """
-    s, loss, _ = _trace_loss(loss_fn, has_aux, overrides, key, args, kwargs, compute_dtype, debug_nans=lines)
+    s, loss, _ = rerun
     return NonFiniteError(message, s.nonfinite_origin(loss))
 
 
@@ -259,7 +250,8 @@ def value_and_grad(
         def raise_if_bad(ok: Array, values: list[Array], rng: PRNGKey | None, args: PyTree, kwargs: PyTree) -> None:
             if not bool(ok):
                 overrides = dict(zip(storages, values))
-                raise _origin_error(message, loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype)
+                rerun = _trace_loss(loss_fn, has_aux, overrides, rng, args, kwargs, compute_dtype, debug_nans=True)
+                raise _origin_error(message, rerun)
 
         checked = [loss, *grads]
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((checked, values, args, kwargs))):
@@ -578,9 +570,10 @@ class TrainStep:
         overrides.update(zip(self._extra, Storage.read_current_many(self._extra)))
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         kwargs = {**kwargs, **dict(static)}
-        return _origin_error(
-            message, self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, self.debug_nans
+        rerun = _trace_loss(
+            self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, self.debug_nans
         )
+        return _origin_error(message, rerun)
 
     def _modes(self) -> tuple[tuple[int, bool], ...]:
         """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
