@@ -137,6 +137,27 @@ def test_donating_step_that_fails_says_what_was_lost():
         step(X)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("flag", ["check_finite", "debug_nans"])
+def test_a_refused_non_finite_train_step_keeps_every_value_donated_or_not(donate, flag):
+    # a refused step is simply not written; with donate=True its inputs are gone, so the program itself
+    # hands back the old values (the only case that pays for a select over every value)
+    W, b = model()
+    opt = tfl.Optimizer(failing_transform(Switch()), [W, b], check_finite=flag == "check_finite")
+    step = tfl.train_step(lambda s, x: loss_fn(s, x, W, b), opt, donate=donate, debug_nans=flag == "debug_nans")
+    step(X)
+    before = snapshot(opt, W, b)
+    bad = X.at[1, 2].set(jnp.inf)
+    with pytest.raises(tfl.TapeError, match="nothing was updated"):
+        step(bad)
+    for p in (W, b):
+        assert not p.value.is_deleted()
+    assert_same(snapshot(opt, W, b), before)
+    assert step.step_count == 1
+    step(X)
+    assert_same(snapshot(opt, W, b), reference_after(2))
+
+
 def test_interrupt_during_the_write_back_lands_after_it(make_step, monkeypatch):
     W, b = model()
     opt = tfl.Optimizer(failing_transform(Switch()), [W, b])

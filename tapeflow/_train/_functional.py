@@ -392,9 +392,10 @@ class TrainStep:
         self._state_cells.update((st.uid, st) for st in writes)
         state_out = {st.uid: v for st, v in writes.items()}
         loss_value = s.node(loss).value
-        out = _step.step(opt.rule, parts, values, state, check_finite, loss_value if debug_nans else None)
+        loss_checked = loss_value if debug_nans else None
+        out = _step.step(opt.rule, parts, values, state, check_finite, loss_checked, keep_on_refusal=self.donate)
         next_counter = counter + 1
-        if out.finite is not None:  # a refused step keeps the counter, as it keeps every other value
+        if out.finite is not None and self.donate:  # a refused step hands back the counter it was given
             next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
         return out.values, out.state, next_counter, loss_value, aux, out.finite, state_out
 

@@ -159,12 +159,17 @@ def step(
     state: OptState,
     check_finite: bool,
     loss: Array | None = None,
+    keep_on_refusal: bool = False,
 ) -> StepOutcome:
     """One optax update of the slot ``values`` from the per-leaf cotangents ``parts``: pure, traceable.
 
     With ``check_finite``, ``finite`` has one flag per slot's summed gradient,
     and one more for ``loss`` when it is given (``debug_nans``: a non-finite
-    loss refuses the step too).
+    loss refuses the step too). A refused step is not written (:func:`finish`),
+    so its new values need not be undone here; ``keep_on_refusal`` (a program
+    whose inputs are donated, which are gone once it ran) makes the outcome
+    hold the old values and state when a flag fails, at the cost of a select
+    over every value.
 
     An unused slot (``parts[k] is None``) keeps its value and its per-parameter
     state; when no slot is used nothing changes, not even shared state such as
@@ -199,7 +204,7 @@ def step(
                 f"shape and dtype {R.fmt_spec(rule.specs[k])}; nothing was updated"
             )
     new_vals = [jnp.asarray(v, rule.specs[k][1]) for k, v in enumerate(new_vals)]  # never weakly typed
-    if finite is not None:
+    if finite is not None and keep_on_refusal:
         ok = jnp.all(finite)
         new_vals = [jnp.where(ok, nv, v) for nv, v in zip(new_vals, values)]
         new_state = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new_state, state)
