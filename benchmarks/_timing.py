@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -23,12 +24,19 @@ def pin_to_one_core() -> int | None:
     """Run this process (and the threads XLA starts) on one CPU, so every system timed shares one core.
 
     XLA on CPU uses a second core even when told to run single-threaded; PyTorch is set to one thread.
+    Every thread that already exists is pinned too (``import jax`` starts one, and programs dispatched
+    asynchronously can run on it: left unpinned, a loop that never waits would have its Python overlap
+    with its programs on a second core, which a loop that reads a result every step cannot).
     Returns the core, or None where the platform cannot pin.
     """
     if not hasattr(os, "sched_setaffinity"):
         return None
     core = min(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    for tid in os.listdir(tasks) if tasks.is_dir() else ():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), {core})
     return core
 
 

@@ -14,6 +14,10 @@ interleaved repeat by repeat so machine noise hits them alike. For comparison, i
 Targets (issue 23), no NaN occurring: ``debug_nans=True`` at most 1.05x ``debug_nans=False``
 in eager sessions and at most 1.03x in lazy sessions and ``train_step``.
 
+A third row per path, ``+wait``, is the plain step waiting for its results every step (as a
+loop that logs its loss each step does): a ``debug_nans`` step reads its one flag before it
+writes anything, so it waits every step too, which a loop that never reads a result does not.
+
 Then one label of the char LM's batch is put out of range (``cross_entropy`` makes a NaN) and
 the time of the failing step (the flag fails, the origin is searched for and located, the
 error is built, nothing is written) is reported next to a normal step, on every path.
@@ -73,6 +77,18 @@ def tapeflow_step(m: Model, path: str, debug: bool, y: Any = None) -> Callable[[
         return [st.read(None) for st in storages]
 
     return step
+
+
+def _waiting(step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` that waits for its results every step, as a loop that reads its loss each step does.
+
+    ``debug_nans`` reads one flag per step, so it waits too; this row shows how much of its cost is that wait.
+    """
+
+    def run() -> Any:
+        return jax.block_until_ready(step())
+
+    return run
 
 
 def _with_jax_debug_nans(step: Callable[[], Any]) -> Callable[[], Any]:
@@ -143,6 +159,7 @@ def main(argv: list[str] | None = None) -> Results:
         for path in PATHS:
             steps[path] = tapeflow_step(m, path, False)
             steps[f"{path}+debug_nans"] = tapeflow_step(m, path, True)
+            steps[f"{path}+wait"] = _waiting(tapeflow_step(m, path, False))
         for path in ("eager", "train_step"):
             steps[f"{path}+jax_debug_nans"] = _with_jax_debug_nans(tapeflow_step(m, path, False))
         tstep = m.torch_step()
