@@ -71,6 +71,21 @@ def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_
     return best
 
 
+def take_turns(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
+    """Best time per call of each variant over ``k`` rounds of ``n`` calls, the variants taking turns each round.
+
+    Each variant first runs twice (compilation, caches); taking turns makes machine noise hit every variant alike.
+    """
+    for step in steps.values():
+        jax.block_until_ready(step())
+        jax.block_until_ready(step())
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(k):
+        for name, step in steps.items():
+            best[name] = min(best[name], min_of_k(step, n, 1, warmup=0))
+    return best
+
+
 def interleaved(calls: list[Callable[[], Any]], k: int, n: int) -> list[float]:
     """Best time per inner iteration of each of ``calls`` (each runs ``n`` iterations per call).
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import TRAIN_MLP, Results, add_json_arg, fmt, min_of_k, verdict
+from _timing import TRAIN_MLP, Results, add_json_arg, fmt, take_turns, verdict
 from bench_lazy import LM, LR, MLP, LMModel, Model, torch
 
 import tapeflow as tfl
@@ -114,18 +114,6 @@ def _with_detect_anomaly(step: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def _timed(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
-    """Best time per step of each variant, the variants' repeats interleaved (two warm-up steps each)."""
-    for step in steps.values():
-        jax.block_until_ready(step())
-        jax.block_until_ready(step())
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(k):
-        for name, step in steps.items():
-            best[name] = min(best[name], min_of_k(step, n, 1, warmup=0))
-    return best
-
-
 def time_to_locate(m: LMModel, path: str, k: int) -> tuple[float, tfl.NonFiniteError]:
     """Best over ``k`` of one failing step (an out-of-range label) with ``debug_nans=True``: seconds and the error."""
     y = np.array(m.y)
@@ -166,7 +154,7 @@ def main(argv: list[str] | None = None) -> Results:
         if tstep is not None:
             steps["pytorch"] = tstep
             steps["pytorch+detect_anomaly"] = _with_detect_anomaly(m.torch_step())  # type: ignore[arg-type]
-        times = _timed(steps, n, k)
+        times = take_turns(steps, n, k)
         print(f"  {m.name}")
         for variant, t in times.items():
             base = variant.split("+")[0] if "+" in variant else None
@@ -184,7 +172,7 @@ def main(argv: list[str] | None = None) -> Results:
     print()
     print("Time to locate: one char-LM step with an out-of-range label, debug_nans=True, vs a normal step:")
     lm = LMModel()
-    normal = _timed({p: tapeflow_step(lm, p, True) for p in PATHS}, n, max(2, k // 2))
+    normal = take_turns({p: tapeflow_step(lm, p, True) for p in PATHS}, n, max(2, k // 2))
     for path in PATHS:
         t, err = time_to_locate(lm, path, max(2, k // 2))
         res.add(LOCATE, lm.name, f"{path}_normal", normal[path])

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _timing import TRAIN_AE, TRAIN_MLP, TRAIN_SECTION, Results, add_json_arg, fmt, min_of_k, verdict
+from _timing import TRAIN_AE, TRAIN_MLP, TRAIN_SECTION, Results, add_json_arg, fmt, min_of_k, take_turns, verdict
 
 import tapeflow as tfl
 
@@ -309,18 +309,6 @@ def record_cost(m: Any, fresh: bool) -> tuple[float, int, int]:
     return t / ops, ops, nodes
 
 
-def _timed(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
-    """Best time per step of each variant, the variants' repeats interleaved (two warm-up steps each)."""
-    for step in steps.values():
-        jax.block_until_ready(step())
-        jax.block_until_ready(step())
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(k):
-        for name, step in steps.items():
-            best[name] = min(best[name], min_of_k(step, n, 1, warmup=0))
-    return best
-
-
 def main(argv: list[str] | None = None) -> Results:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repeats (numbers are rough)")
@@ -338,7 +326,7 @@ def main(argv: list[str] | None = None) -> Results:
         tstep = m.torch_step()
         if tstep is not None:
             steps["pytorch"] = tstep
-        times = _timed(steps, n, k)
+        times = take_turns(steps, n, k)
         for variant, t in times.items():
             res.add(TRAIN_SECTION, m.name, variant, t, baseline=None if variant == "train_step" else "train_step")
         vs_ts = times["lazy"] / times["train_step"]
