@@ -8,7 +8,9 @@
 """
 
 from . import nn  # noqa: F401
+from ._core import _compile_cache
 from ._core._backward import backward, backward_graph
+from ._core._compile_cache import cache_dir, set_cache_dir
 from ._core._jvp import jvp
 from ._core._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
 from ._core._nonfinite import NonFiniteError, Origin, nonfinite_origin
@@ -120,6 +122,7 @@ __all__ = [
     "backward",
     "backward_graph",
     "broadcast_to",
+    "cache_dir",
     "canonical_indices",
     "checkpoint",
     "clamp",
@@ -175,6 +178,7 @@ __all__ = [
     "save",
     "scaled_dot_product_attention",
     "scatter_add",
+    "set_cache_dir",
     "set_kernel_cache_size",
     "sigmoid",
     "sin",
@@ -193,3 +197,5 @@ __all__ = [
     "value_and_grad",
     "where",
 ]
+
+_compile_cache.setup_from_environment()  # the persistent compilation cache (TAPEFLOW_CACHE_DIR); starts no backend

@@ -11,23 +11,19 @@ jax.config.update("jax_enable_x64", True)
 
 
 def _share_compiled_programs() -> None:
-    """One XLA compilation cache for this run of the suite, shared by its worker processes, removed at the end.
+    """One compilation cache for this run of the suite, shared by its processes, removed at the end.
 
-    Many tests build the same small programs (an Adam step, a layer's forward) in new jitted
-    functions, which JAX's in-memory caches, keyed by function, compile again; JAX's persistent
-    cache is keyed by the program, so each distinct program is compiled once per run (a quarter of
-    the suite's time). The process that starts the run makes the folder and names it in
-    ``TAPEFLOW_TEST_XLA_CACHE``; the xdist workers it starts inherit the name. Only compilation is
-    shared: tracing, and every count of traces and programs the tests assert, is unchanged.
+    tapeflow keeps compiled programs in JAX's persistent cache (``TAPEFLOW_CACHE_DIR``). The suite
+    points it at a fresh folder per run, never at the user's own: the process that starts the run
+    makes the folder, and the xdist workers and the scripts the tests start inherit its name, so
+    each distinct program is compiled once per run (many tests build the same small programs in new
+    jitted functions, which JAX's in-memory caches compile again). Only compilation is shared:
+    tracing, and every count of traces and programs the tests assert, is unchanged.
     """
-    folder = os.environ.get("TAPEFLOW_TEST_XLA_CACHE")
-    if folder is None:
+    if os.environ.get("TAPEFLOW_TEST_XLA_CACHE") is None:
         folder = tempfile.mkdtemp(prefix="tapeflow-tests-xla-")
-        os.environ["TAPEFLOW_TEST_XLA_CACHE"] = folder
+        os.environ["TAPEFLOW_TEST_XLA_CACHE"] = os.environ["TAPEFLOW_CACHE_DIR"] = folder
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 _share_compiled_programs()

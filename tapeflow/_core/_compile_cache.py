@@ -1,0 +1,120 @@
+"""JAX's persistent compilation cache, on by default: a program compiled once is loaded by the next process.
+
+XLA compiles every new program (an eager op kernel, a lazy session's program, a
+``train_step``, an optimizer update) and, left to itself, forgets it when the
+process ends, so every run of a script waits for the same compiles again. JAX can
+keep compiled programs on disk, but only once it is told where, and with its
+default thresholds it skips the small programs (compiled in under a second) that
+a training loop is made of. tapeflow turns it on when it is imported:
+
+* ``TAPEFLOW_CACHE_DIR`` unset: a per-user folder (``platformdirs.user_cache_dir``,
+  e.g. ``~/.cache/tapeflow`` on Linux), unless the program already set JAX's
+  ``jax_compilation_cache_dir`` itself, which is then left as it is;
+* ``TAPEFLOW_CACHE_DIR=/some/path``: that folder; ``TAPEFLOW_CACHE_DIR=""``: off.
+
+:func:`set_cache_dir` changes it later (``None``: off). Programs go in a
+subfolder named by the jax and jaxlib versions, so programs compiled by another
+version are never read (JAX's own keys include them too); the cache is bounded
+(:data:`MAX_BYTES`, least recently used programs are dropped). Setting it up
+touches only JAX's configuration: importing tapeflow starts no backend.
+
+>>> import tapeflow as tfl
+>>> folder = tfl.cache_dir()
+>>> folder is None or folder.name.startswith("jax-")
+True
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jaxlib
+
+__all__ = ["MAX_BYTES", "cache_dir", "set_cache_dir", "setup_from_environment", "versioned"]
+
+MAX_BYTES = 2 * 1024**3
+"""The most the cache folder may hold (2 GiB); JAX drops the least recently used programs beyond it."""
+
+ENV = "TAPEFLOW_CACHE_DIR"
+
+
+def versioned(
+    folder: str | os.PathLike[str], jax_version: str | None = None, jaxlib_version: str | None = None
+) -> Path:
+    """The subfolder of ``folder`` for programs of this jax and jaxlib (or of the versions given).
+
+    >>> versioned("/tmp/c", "0.4.30", "0.4.31").as_posix()
+    '/tmp/c/jax-0.4.30-jaxlib-0.4.31'
+    """
+    jv = jax.__version__ if jax_version is None else jax_version
+    lv = jaxlib.__version__ if jaxlib_version is None else jaxlib_version
+    return Path(folder) / f"jax-{jv}-jaxlib-{lv}"
+
+
+def _default_folder() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("tapeflow", appauthor=False))
+
+
+def set_cache_dir(folder: str | os.PathLike[str] | None) -> Path | None:
+    """Keep compiled programs in ``folder`` (in its subfolder for this jax version); ``None`` turns the cache off.
+
+    Takes effect for the next compile, also after programs were already compiled
+    in this process. Returns the subfolder in use (None: off). A folder that
+    already is such a subfolder is used as it is, so ``set_cache_dir(cache_dir())``
+    changes nothing and puts back a cache that was changed.
+
+    >>> import tempfile, tapeflow as tfl
+    >>> before = tfl.cache_dir()
+    >>> used = tfl.set_cache_dir(tempfile.mkdtemp())
+    >>> used.name.startswith("jax-"), tfl.cache_dir() == used
+    (True, True)
+    >>> tfl.set_cache_dir(None) is None, tfl.cache_dir()
+    (True, None)
+    >>> tfl.set_cache_dir(before) == before
+    True
+    """
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(
+            f"set_cache_dir: the folder must be a path (str or os.PathLike), got {type(folder).__name__} "
+            f"{folder!r}; pass None to turn the persistent compilation cache off"
+        )
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    cc.reset_cache()  # JAX reads its settings once, at its first compile: read them again at the next one
+    if folder is None:
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    path = Path(folder)
+    if path.name != versioned(path).name:
+        path = versioned(path)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # a training loop's programs are small
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return path
+
+
+def _jax_folder() -> str | None:
+    """JAX's ``jax_compilation_cache_dir`` setting now."""
+    folder = jax.config.values["jax_compilation_cache_dir"]
+    return None if folder is None else str(folder)
+
+
+def cache_dir() -> Path | None:
+    """The folder compiled programs are kept in now (None: the persistent cache is off)."""
+    folder = _jax_folder()
+    return None if not folder else Path(folder)
+
+
+def setup_from_environment() -> Path | None:
+    """At import: the cache ``TAPEFLOW_CACHE_DIR`` asks for (see the module's docstring); the folder or None."""
+    asked = os.environ.get(ENV)
+    if asked is None:
+        if _jax_folder():  # the program set JAX's cache up itself: its choice stands
+            return cache_dir()
+        return set_cache_dir(_default_folder())
+    return set_cache_dir(asked or None)
