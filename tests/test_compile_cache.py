@@ -69,7 +69,7 @@ def test_import_turns_it_on_in_a_per_user_per_version_folder_and_starts_no_backe
     assert got["cache_dir"] == str(tmp_path / "xdg" / "tapeflow" / VERSIONED)
     # small programs count: a training loop's programs compile in well under JAX's default second
     assert (got["min_compile_secs"], got["min_entry_bytes"]) == (0.0, 0)
-    assert got["max_size"] == C.MAX_BYTES  # bounded
+    assert got["max_size"] == -1  # bounded by trim, not by a rescan of the folder at every compile
 
 
 def test_the_environment_variable_chooses_the_folder_or_turns_it_off(tmp_path: Path) -> None:
@@ -116,6 +116,20 @@ def test_set_cache_dir_takes_effect_after_programs_were_compiled(tmp_path: Path)
     finally:
         tfl.set_cache_dir(before)
     assert tfl.cache_dir() == before
+
+
+def test_trim_removes_the_oldest_programs_beyond_the_bound_at_most_once_a_day(tmp_path: Path) -> None:
+    for k in range(5):
+        f = tmp_path / f"prog{k}-cache"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1000 + k, 1000 + k))
+    assert C.trim(tmp_path, 250) == 300
+    assert sorted(p.name for p in tmp_path.glob("*-cache")) == ["prog3-cache", "prog4-cache"]
+    (tmp_path / "prog5-cache").write_bytes(b"x" * 100)
+    assert C.trim(tmp_path, 50) == 0, "looked over less than a day ago: not scanned again"
+    assert C.trim(tmp_path, 50, force=True) == 300
+    assert sorted(p.name for p in tmp_path.glob("*-cache")) == []
+    assert (tmp_path / ".tapeflow-trimmed").exists()
 
 
 @pytest.mark.parametrize("bad", [123, 1.5])

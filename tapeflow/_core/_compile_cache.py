@@ -14,9 +14,11 @@ a training loop is made of. tapeflow turns it on when it is imported:
 
 :func:`set_cache_dir` changes it later (``None``: off). Programs go in a
 subfolder named by the jax and jaxlib versions, so programs compiled by another
-version are never read (JAX's own keys include them too); the cache is bounded
-(:data:`MAX_BYTES`, least recently used programs are dropped). Setting it up
-touches only JAX's configuration: importing tapeflow starts no backend.
+version are never read (JAX's own keys include them too). The folder is kept
+under :data:`MAX_BYTES` by :func:`trim`, at most once a day, oldest programs
+first (JAX's own size bound rescans the whole folder under a file lock at every
+compile, which is why it is not used). Setting it up touches only JAX's
+configuration and that folder: importing tapeflow starts no backend.
 
 >>> import tapeflow as tfl
 >>> folder = tfl.cache_dir()
@@ -26,16 +28,23 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import jax
 import jaxlib
 
-__all__ = ["MAX_BYTES", "cache_dir", "set_cache_dir", "setup_from_environment", "versioned"]
+__all__ = ["MAX_BYTES", "TRIM_EVERY_S", "cache_dir", "set_cache_dir", "setup_from_environment", "trim", "versioned"]
 
 MAX_BYTES = 2 * 1024**3
-"""The most the cache folder may hold (2 GiB); JAX drops the least recently used programs beyond it."""
+"""The most a cache folder may hold (2 GiB): :func:`trim` removes the oldest programs beyond it."""
+
+TRIM_EVERY_S = 24 * 3600
+"""How often a folder is looked over by :func:`trim` (once a day: the scan reads every file's size)."""
+
+_MARK = ".tapeflow-trimmed"
 
 ENV = "TAPEFLOW_CACHE_DIR"
 
@@ -57,6 +66,45 @@ def _default_folder() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("tapeflow", appauthor=False))
+
+
+def trim(folder: str | os.PathLike[str], max_bytes: int = MAX_BYTES, *, force: bool = False) -> int:
+    """Remove the oldest programs of ``folder`` until it holds at most ``max_bytes``; the number of bytes removed.
+
+    Runs at most once per :data:`TRIM_EVERY_S` per folder (a marker file's time says when it last ran)
+    unless ``force``. A program another process is loading as it goes is compiled again there.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> for k in range(3):
+    ...     _ = (d / f"p{k}-cache").write_bytes(b"x" * 10)
+    ...     os.utime(d / f"p{k}-cache", (k, k))   # p0 is the oldest
+    >>> trim(d, 25), sorted(p.name for p in d.glob("*-cache"))
+    (10, ['p1-cache', 'p2-cache'])
+    """
+    root = Path(folder)
+    mark = root / _MARK
+    now = time.time()
+    with contextlib.suppress(OSError):
+        if not force and now - mark.stat().st_mtime < TRIM_EVERY_S:
+            return 0
+    entries: list[tuple[float, int, Path]] = []
+    with contextlib.suppress(OSError):
+        for p in root.iterdir():
+            if p.name != _MARK and p.is_file():
+                st = p.stat()
+                entries.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+        if total - removed <= max_bytes:
+            break
+        with contextlib.suppress(OSError):  # gone already: another process trimmed it
+            p.unlink()
+            removed += size
+    with contextlib.suppress(OSError):  # a read-only folder: JAX warns about it at its first write
+        mark.touch()
+    return removed
 
 
 def set_cache_dir(folder: str | os.PathLike[str] | None) -> Path | None:
@@ -94,7 +142,8 @@ def set_cache_dir(folder: str | os.PathLike[str] | None) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # a training loop's programs are small
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    jax.config.update("jax_compilation_cache_max_size", -1)  # bounded by trim: no rescan at every compile
+    trim(path)
     return path
 
 
