@@ -91,7 +91,7 @@ def trim(folder: str | os.PathLike[str], max_bytes: int = MAX_BYTES, *, force: b
     entries: list[tuple[float, int, Path]] = []
     with contextlib.suppress(OSError):
         for p in root.iterdir():
-            if p.name != _MARK and p.is_file():
+            if not p.name.startswith(".") and p.is_file():  # programs only: not the marker, nor a lock file
                 st = p.stat()
                 entries.append((st.st_mtime, st.st_size, p))
     total = sum(size for _, size, _ in entries)
