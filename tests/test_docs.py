@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -49,7 +50,9 @@ def test_readme_code_blocks_run() -> None:
     _run_blocks(ROOT / "README.md")
 
 
+@functools.cache
 def _outputs_module() -> ModuleType:
+    """``docs/_ext/outputs.py``, loaded once."""
     spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "docs" / "_ext" / "outputs.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
