@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import doctest
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -50,10 +49,9 @@ def test_readme_code_blocks_run() -> None:
     _run_blocks(ROOT / "README.md")
 
 
-@functools.cache
-def _outputs_module() -> ModuleType:
-    """``docs/_ext/outputs.py``, loaded once."""
-    spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "docs" / "_ext" / "outputs.py")
+def _ext(name: str) -> ModuleType:
+    """Import ``docs/_ext/<name>.py`` from its path."""
+    spec = importlib.util.spec_from_file_location(f"docs_ext_{name}", ROOT / "docs" / "_ext" / f"{name}.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -63,7 +61,7 @@ def _outputs_module() -> ModuleType:
 @pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if _blocks(p)))
 def test_docs_code_blocks_run(page: str) -> None:
     path = ROOT / "docs" / page
-    outputs = _outputs_module()
+    outputs = _ext("outputs")
     if outputs.script_name(path.read_text()) is None:
         _run_blocks(path)
         return
@@ -150,19 +148,13 @@ def test_every_registered_op_is_documented() -> None:
     # ops registered at run time (tfl.lift, tfl.defop, tfl.checkpoint: by other tests, doc examples) are not on the page
     undocumented = [op for op in tfl.ops() if not tfl.REGISTRY[op].user and f"`{op}`" not in text]
     assert not undocumented, f"ops missing from docs/ops.md: {undocumented}"
-    spec = importlib.util.spec_from_file_location("gen_ops", ROOT / "docs" / "_ext" / "gen_ops.py")
-    assert spec and spec.loader
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = _ext("gen_ops")
     assert text == gen.render(include_user=False), "docs/ops.md is out of date: run python docs/_ext/gen_ops.py"
 
 
 def test_functions_stub_is_up_to_date() -> None:
     """tapeflow/_shell/_functions.pyi (the op functions' typed signatures, for IDEs) matches the registry."""
-    spec = importlib.util.spec_from_file_location("gen_stubs", ROOT / "docs" / "_ext" / "gen_stubs.py")
-    assert spec and spec.loader
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = _ext("gen_stubs")
     stub = ROOT / "tapeflow" / "_shell" / "_functions.pyi"
     assert stub.read_text() == gen.render(), (
         "tapeflow/_shell/_functions.pyi is out of date: run python docs/_ext/gen_stubs.py"
@@ -269,15 +261,6 @@ def test_site_problems_finds_each_kind(tmp_path: Path) -> None:
     assert len(found) == 5, found
     for what in ("raw reST role", "unresolved cross-reference", "<autoref>", "no id 'tapeflow.gone'", "no file"):
         assert any(what in p for p in found), (what, found)
-
-
-def _ext(name: str) -> ModuleType:
-    """Import ``docs/_ext/<name>.py`` from its path."""
-    spec = importlib.util.spec_from_file_location(f"docs_ext_{name}", ROOT / "docs" / "_ext" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_xrefs_convert_roles() -> None:

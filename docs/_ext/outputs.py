@@ -3,8 +3,7 @@
 A page opts in with the marker ``<!-- outputs: NAME.py -->``: its python blocks run
 in order, in one namespace, as the one script named ``NAME.py`` that they make
 together (so an error's ``file:line`` names that script and a line of it, counted
-over the blocks in order), with what
-users get by default (x64 off). The ```text block that directly follows a python
+over the blocks in order), with what users get by default (x64 off). The ```text block that directly follows a python
 block (only blank lines between them) becomes what that block printed; a python
 block not followed by one must print nothing. ``tests/test_docs.py`` checks that
 every such page is up to date.
