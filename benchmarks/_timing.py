@@ -71,21 +71,6 @@ def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_
     return best
 
 
-def take_turns(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
-    """Best time per call of each variant over ``k`` rounds of ``n`` calls, the variants taking turns each round.
-
-    Each variant first runs twice (compilation, caches); taking turns makes machine noise hit every variant alike.
-    """
-    for step in steps.values():
-        jax.block_until_ready(step())
-        jax.block_until_ready(step())
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(k):
-        for name, step in steps.items():
-            best[name] = min(best[name], min_of_k(step, n, 1, warmup=0))
-    return best
-
-
 def interleaved(calls: list[Callable[[], Any]], k: int, n: int) -> list[float]:
     """Best time per inner iteration of each of ``calls`` (each runs ``n`` iterations per call).
 
@@ -100,6 +85,26 @@ def interleaved(calls: list[Callable[[], Any]], k: int, n: int) -> list[float]:
         for i, call in enumerate(calls):
             best[i] = min(best[i], min_of_k(call, 1, 1, warmup=0) / n)
     return best
+
+
+def take_turns(steps: dict[str, Callable[[], Any]], n: int, k: int) -> dict[str, float]:
+    """:func:`interleaved` over named steps: the best mean time of ``n`` calls of each, over ``k`` rounds.
+
+    Each step is called once more first, so it has compiled and warmed its caches before its first round.
+    """
+    for step in steps.values():
+        jax.block_until_ready(step())
+
+    def n_calls(step: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            out = None
+            for _ in range(n):
+                out = step()
+            return out  # min_of_k waits for it: every call of the round is inside the timing
+
+        return run
+
+    return dict(zip(steps, interleaved([n_calls(s) for s in steps.values()], k, n)))
 
 
 def fmt(t: float) -> str:
