@@ -76,7 +76,8 @@ F = TypeVar("F", bound=Callable[..., object])
 
 StepFn: TypeAlias = Callable[..., S]
 """A step over the slots' cotangents, ``(parts, values, state, loss=None) -> outcome``: the optimizer's
-:func:`tapeflow._train._step.step` (``loss``, the root's value, when it checks it: ``debug_nans``); hashable."""
+:func:`tapeflow._train._step.step` (``loss``, the root's value, when it checks it: ``debug_nans``); hashable,
+and equal for two optimizers whose steps trace to the same program."""
 
 
 def _intern(meta: NodeKey) -> int:
@@ -345,19 +346,23 @@ class LazyGrads:
         )
         rest = [v for v, a in zip(values, alias) if a < 0]
 
-        def build() -> Callable[[list[Array], Array | None, list[Array], OptState], tuple[S, Array]]:
+        def build() -> Callable[[list[Array], Array | None, list[Array], OptState, StepFn[S]], tuple[S, Array]]:
             skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-            def program(given: list[Array], seed: Array | None, rest: list[Array], state: OptState) -> tuple[S, Array]:
+            def program(
+                given: list[Array], seed: Array | None, rest: list[Array], state: OptState, step_fn: StepFn[S]
+            ) -> tuple[S, Array]:
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 others = iter(rest)
                 values = [given[a] if a >= 0 else next(others) for a in alias]
                 return step_fn(parts, values, state, loss=value if with_loss else None), value
 
-            return jax.jit(program)
+            # the step is a static argument: a program traced for one optimizer serves every equal step
+            # (the same optax structure and slots), and a retrace runs the caller's own
+            return jax.jit(program, static_argnums=4)
 
         key = self._key("step", pending, slots, alias, step_fn, with_loss)
-        out, root = _program(key, build)(given, self.seed, rest, state)
+        out, root = _program(key, build)(given, self.seed, rest, state, step_fn)
         self._set_root(root)
         return out

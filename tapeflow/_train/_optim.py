@@ -21,7 +21,6 @@ which :func:`~tapeflow.train_step` traces into its program.
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -41,16 +40,12 @@ from .._shell._params import Param, Storage, canonical_indices
 from .._shell._state import StateLog, state_log_of
 from . import _step
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
-from ._step import SlotRule, StepOutcome, check_parts, finish
+from ._step import SlotRule, StepCall, StepOutcome, check_parts, finish
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 
 GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
 """What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
-
-StepFn: TypeAlias = Callable[..., StepOutcome]  # (parts, values, state, loss=None) -> outcome
-""":func:`tapeflow._train._step.step` for one optimizer and finite-check flag, as a lazy step program calls it."""
-
 
 class _FusedPlan(NamedTuple):
     """An optimizer's slot mapping of one recording's parameter groups (checked against its slots once)."""
@@ -125,9 +120,6 @@ class Optimizer:
         self.rule = SlotRule.of(
             self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
-        # compiled once per structure of the parts (which slots are used, how many leaves each has)
-        self._step_fn = jax.jit(functools.partial(_step.step, self.rule), static_argnames="check_finite")
-        self._lazy_steps: dict[bool, StepFn] = {}
         self._fused_plan: _FusedPlan | None = None  # the last fused step's slot mapping (valid for its groups)
         self.state: OptState = self.tx.init(self.param_tree())
 
@@ -366,7 +358,7 @@ class Optimizer:
             None if not m else ((jnp.zeros(self.rule.specs[k][0], self.rule.specs[k][1]) if g is None else g),)
             for k, (g, m) in enumerate(zip(grads, mask))
         ]
-        out = self._step_fn(parts, list(values), state, check_finite=False)
+        out = _step.STEP(self.rule, parts, list(values), state, check_finite=False)
         return out.values, out.state
 
     def step(self, grads: GradsLike, *, check_finite: bool | None = None) -> None:
@@ -425,7 +417,7 @@ class Optimizer:
                 parts = [None if g is None else (grads.group_value(g),) for g in groups]
             else:
                 parts = [None if p is None else (sum_in_leaf_order(p),) for p in parts]
-            out = self._step_fn(parts, values, self.state, check_finite=check)
+            out = _step.STEP(self.rule, parts, values, self.state, check_finite=check)
         except BaseException:
             if isinstance(grads, Grads):
                 grads.consume(mine)  # a failed update still lets go of the gradients it used
@@ -469,7 +461,7 @@ class Optimizer:
             device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
             values = [st.read(device) for st in storages]
             current = all(v is st.read_current() for v, st in zip(values, storages))
-            out = lazy.step(leaves, self._lazy_step_fn(check_finite), values, self.state, with_loss=debug)
+            out = lazy.step(leaves, StepCall(self.rule, check_finite), values, self.state, with_loss=debug)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
@@ -494,16 +486,6 @@ class Optimizer:
             raise
         grads.release()  # every storage group was this step's (consume(mine) would end in the same release)
         return True
-
-    def _lazy_step_fn(self, check_finite: bool) -> StepFn:
-        """:func:`tapeflow._train._step.step` for this layout as ``fn(parts, values, state)``: one object per flag.
-
-        A lazy session keys its step programs by this object, so it must stay the same between steps.
-        """
-        fn = self._lazy_steps.get(check_finite)
-        if fn is None:
-            fn = self._lazy_steps[check_finite] = functools.partial(_step.step, self.rule, check_finite=check_finite)
-        return fn
 
     def __repr__(self) -> str:
         return f"Optimizer({len(self._slot_storages)} slots for {len(self._records)} registrations)"

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
 from typing import NamedTuple, Protocol, TypeAlias
 
@@ -48,8 +48,20 @@ from .._core._typing import Array, OptState, PyTree
 from .._shell import _grads
 from .._shell._commit import commit, traced_write
 from .._shell._params import Storage
+from ._tx_key import structural_key
 
-__all__ = ["HasState", "SlotOwner", "SlotParts", "SlotRule", "StepOutcome", "check_parts", "finish", "step"]
+__all__ = [
+    "STEP",
+    "HasState",
+    "SlotOwner",
+    "SlotParts",
+    "SlotRule",
+    "StepCall",
+    "StepOutcome",
+    "check_parts",
+    "finish",
+    "step",
+]
 
 SlotParts: TypeAlias = "Sequence[tuple[Array, ...] | None]"
 """For each optimizer slot, the cotangents of its storage's leaves in recording order (None: unused)."""
@@ -62,14 +74,21 @@ class SlotOwner(Protocol):
     def describe(self, k: int) -> str: ...
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class SlotRule:
-    """What the step needs to know of an optimizer's slots; hashed by identity (a jit static argument).
+    """What the step needs to know of an optimizer's slots; a jit static argument, compared by structure.
 
     ``keys`` are the dict keys of the optax params pytree (None: the pytree
     is a list); ``slot_indices(state)`` maps each part of an optax state to its
     slot (see :func:`~tapeflow._train._slots.slot_index_tree`); ``describe(k)`` names
     slot ``k`` in error messages.
+
+    Two rules are equal when their transformations have the same
+    :func:`~tapeflow._train._tx_key.structural_key` and their slots the same specs
+    and keys: they trace to the same update, so every optimizer of one structure
+    (a new ``Optimizer`` over a restored model, a re-run notebook cell) shares the
+    compiled step programs of the first. ``slot_indices`` and ``describe`` run
+    only while a step is traced, with the rule of the call being traced.
 
     A rule holds no optimizer, parameter or value: compiled step programs keep
     their rule (a lazy session caches them by structure), and a finished
@@ -77,11 +96,12 @@ class SlotRule:
     of an optimizer, reaching it through a weak reference.
     """
 
-    tx: optax.GradientTransformation
+    tx: optax.GradientTransformation = dataclasses.field(compare=False)
     specs: tuple[R.Spec, ...]
     keys: tuple[str | int, ...] | None
-    slot_indices: Callable[[OptState], PyTree]
-    describe: Callable[[int], str]
+    slot_indices: Callable[[OptState], PyTree] = dataclasses.field(compare=False)
+    describe: Callable[[int], str] = dataclasses.field(compare=False)
+    tx_key: Hashable = dataclasses.field(default=None)
 
     @classmethod
     def of(
@@ -104,7 +124,7 @@ class SlotRule:
             opt = ref()
             return f"slot {k}" if opt is None else opt.describe(k)
 
-        return cls(tx, specs, keys, slot_indices, describe)
+        return cls(tx, specs, keys, slot_indices, describe, structural_key(tx))
 
     def tree(self, values: Sequence[object]) -> PyTree:
         """``values`` (one per slot) as the optax params pytree."""
@@ -113,6 +133,23 @@ class SlotRule:
     def leaves(self, tree: PyTree) -> list[Array]:
         """The per-slot values of an optax params pytree, in slot order."""
         return list(tree) if self.keys is None else [tree[k] for k in self.keys]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """:func:`step` for one rule and finite-check flag, as ``fn(parts, values, state, loss=None)``.
+
+    Equal for equal rules, so a lazy session's step programs (keyed by it) serve
+    every optimizer of one structure.
+    """
+
+    rule: SlotRule
+    check_finite: bool
+
+    def __call__(
+        self, parts: SlotParts, values: Sequence[Array], state: OptState, loss: Array | None = None
+    ) -> StepOutcome:
+        return step(self.rule, parts, values, state, self.check_finite, loss)
 
 
 class HasState(Protocol):
@@ -209,6 +246,22 @@ def step(
         new_vals = [jnp.where(ok, nv, v) for nv, v in zip(new_vals, values)]
         new_state = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new_state, state)
     return StepOutcome(new_vals, new_state, finite)
+
+
+def _compiled_step(
+    rule: SlotRule,
+    parts: SlotParts,
+    values: Sequence[Array],
+    state: OptState,
+    check_finite: bool,
+    loss: Array | None = None,
+    keep_on_refusal: bool = False,
+) -> StepOutcome:
+    return step(rule, parts, values, state, check_finite, loss, keep_on_refusal)  # looked up when traced
+
+
+STEP = jax.jit(_compiled_step, static_argnums=0, static_argnames=("check_finite", "keep_on_refusal"))
+""":func:`step` compiled, for an eager step: one program per rule structure and parts (shared by equal rules)."""
 
 
 def refused(finite: Array | None) -> int | None:
