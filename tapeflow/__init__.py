@@ -8,9 +8,10 @@
 """
 
 from . import nn  # noqa: F401
-from ._core import _compile_cache
+from ._core import _compile_cache, _compile_log
 from ._core._backward import backward, backward_graph
 from ._core._compile_cache import cache_dir, set_cache_dir
+from ._core._compile_log import CompileLog, CompileRecord, RecompileWarning, compile_log, set_recompile_warning
 from ._core._jvp import jvp
 from ._core._kernels import clear_kernel_caches, kernel_cache_info, set_kernel_cache_size
 from ._core._nonfinite import NonFiniteError, Origin, nonfinite_origin
@@ -92,6 +93,8 @@ __version__ = "0.1.0"
 __all__ = [
     "REGISTRY",
     "CheckpointError",
+    "CompileLog",
+    "CompileRecord",
     "Err",
     "Grads",
     "Node",
@@ -103,6 +106,7 @@ __all__ = [
     "Param",
     "ParameterGroup",
     "RationalFallbackWarning",
+    "RecompileWarning",
     "RemovableHandle",
     "Result",
     "Session",
@@ -127,6 +131,7 @@ __all__ = [
     "checkpoint",
     "clamp",
     "clear_kernel_caches",
+    "compile_log",
     "concat",
     "conv2d",
     "cos",
@@ -180,6 +185,7 @@ __all__ = [
     "scatter_add",
     "set_cache_dir",
     "set_kernel_cache_size",
+    "set_recompile_warning",
     "sigmoid",
     "sin",
     "softmax",
@@ -199,3 +205,4 @@ __all__ = [
 ]
 
 _compile_cache.setup_from_environment()  # the persistent compilation cache (TAPEFLOW_CACHE_DIR); starts no backend
+_compile_log.install()  # every compile explained (TAPEFLOW_EXPLAIN_COMPILES); starts no backend

@@ -70,7 +70,7 @@ def get_jvp(op: str | R.OpDef, attrs: Attrs, specs: tuple[R.Spec, ...], mask: tu
 
             return jax.jvp(f, tuple(xs[i] for i in pos), tuple(ts))[1]
 
-        fn = jax.jit(body)
+        fn = jax.jit(R.logged_kernel(body, d.name, "tangent kernel", static))
         _JVP_CACHE.put(key, fn)
     return functools.partial(fn, **rt) if rt else fn
 

@@ -46,8 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compile_log
 from ._kernels import KernelCache, drop_kernels_of
-from ._typing import Array, Attrs, AttrValue, Shape
+from ._typing import Array, Attrs, AttrValue, PyTree, Shape
 
 __all__ = [
     "REGISTRY",
@@ -62,6 +63,7 @@ __all__ = [
     "attr_key",
     "definition",
     "kernel_cache_key",
+    "logged_kernel",
     "normalize_attrs",
     "op",
     "ops",
@@ -509,10 +511,29 @@ def build_fwd(d: OpDef, attrs: Attrs, specs: tuple[Spec, ...]) -> FwdEntry | str
     jkey = kernel_cache_key(d, kernel_key(d, full_t, rt)[0])  # traced: the values given, not defaults
     fn: Callable[..., Array] | None = _JIT_FWD.hit(jkey)
     if fn is None:
-        fn = jax.jit(fwd)
+        fn = jax.jit(logged_kernel(fwd, d.name, "op kernel", static))
         _JIT_FWD.put(jkey, fn)
     shape, dtype = tuple(out.shape), np.dtype(out.dtype)
     return FwdEntry(d, fn, shape, dtype, full_t, diff, is_float(dtype), (shape, dtype), tuple(rt))
+
+
+def logged_kernel(
+    fn: Callable[..., PyTree], op: str, kind: str, static: Mapping[str, AttrValue]
+) -> Callable[..., PyTree]:
+    """``fn`` as a kernel to jit, named after ``op``, that tells the compile log what it is when traced."""
+    attrs = tuple((k, "static value", v) for k, v in sorted(static.items()))
+
+    def kernel(*xs: Array, **rt: AttrValue) -> PyTree:
+        sig = [*_compile_log.arrays([(f"operand {i}", x) for i, x in enumerate(xs)]), *attrs]
+        # one function per op, attributes and operand shapes but the first axis of those with two or more: a
+        # model has a kernel per layer shape by design, one kernel compiled for many batch sizes is the recompile
+        # to warn about
+        rest = tuple((sh if len(sh) < 2 else (None, *sh[1:]), jnp.result_type(x)) for x in xs for sh in [jnp.shape(x)])
+        _compile_log.traced(kernel.__name__, f"{kind} {op}", (kind, op, attrs, rest), sig, group="kernels")
+        return fn(*xs, **rt)
+
+    kernel.__name__ = kernel.__qualname__ = f"{op}_{kind.split()[0].lower()}"
+    return kernel
 
 
 def definition(op: str | OpDef) -> OpDef:
@@ -598,7 +619,7 @@ def get_vjp(
                 cts = user(g, out, *xs, **static, **rt)
                 return tuple(c for c, m in zip(cts, mask) if m)
 
-        fn = body if any(s[1] == OBJECT for s in specs) else jax.jit(body)
+        fn = body if any(s[1] == OBJECT for s in specs) else jax.jit(logged_kernel(body, d.name, "VJP kernel", static))
         _VJP_CACHE.put(key, fn)
     return functools.partial(fn, **rt) if rt else fn
 

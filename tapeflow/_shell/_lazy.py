@@ -45,8 +45,10 @@ from typing import NamedTuple, TypeAlias, TypeVar
 import jax
 import jax.numpy as jnp
 
+from .._core import _compile_log
 from .._core import _registry as R
 from .._core._backward import backward as tape_backward
+from .._core._compile_log import SigEntry
 from .._core._kernels import KernelCache
 from .._core._tape import PENDING, Tape, computed_values, fill_pending, with_values
 from .._core._typing import Array, Attrs, NodeId, OptState
@@ -229,6 +231,28 @@ def _skeleton(tape: Tape) -> Tape:
     return with_values(tape, [None] * len(tape))
 
 
+def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...]) -> None:
+    """Tell the compile log (while ``name`` is traced) what compiles: counted per recording without its shapes.
+
+    The signature is the shape and dtype of every leaf and each node's attributes, so a
+    recompile names the input whose shape changed (a new batch size) or the attribute.
+    """
+    nodes = skel.nodes
+    ops = tuple((nd.op, nd.opdef, nd.parents, nd.requires_grad) for nd in nodes)
+
+    def signature() -> list[SigEntry]:
+        sig: list[SigEntry] = []
+        for i, nd in enumerate(nodes):
+            if nd.op is None:
+                sig.append((f"input node {i}", "shape", nd.shape))
+                sig.append((f"input node {i}", "dtype", str(nd.dtype)))
+            else:
+                sig += [(f"node {i} ({nd.op}) attribute {k}", "static value", v) for k, v in nd.attrs]
+        return sig
+
+    _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
+
+
 def _program(key: tuple[Hashable, ...], build: Callable[[], F]) -> F:
     fn = _PROGRAMS.hit(key)
     if fn is None:
@@ -251,11 +275,12 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
     def build() -> Callable[[list[Array]], list[Array]]:
         skel, pend = _skeleton(tape), frozenset(pending)
 
-        def forward(given: list[Array]) -> list[Array]:
+        def lazy_forward_program(given: list[Array]) -> list[Array]:
+            _log_trace("lazy_forward_program", "lazy forward program", skel, pending)
             replayed = _replay(skel, pend, given)
             return [replayed[i].value for i in pending]
 
-        return jax.jit(forward)
+        return jax.jit(lazy_forward_program)
 
     outs = _program(("forward", struct, pending), build)(given)
     fill_pending(tape, pending, outs)
@@ -293,11 +318,12 @@ class LazyGrads:
     def _gradients_fn(self, pending: tuple[NodeId, ...]) -> Callable[..., tuple[list[Array], Array]]:
         skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-        def gradients(given: list[Array], seed: Array | None) -> tuple[list[Array], Array]:
+        def lazy_gradient_program(given: list[Array], seed: Array | None) -> tuple[list[Array], Array]:
+            _log_trace("lazy_gradient_program", "gradient program", skel, pending)
             by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
             return [by_leaf[i] for i in ids], value
 
-        return gradients
+        return lazy_gradient_program
 
     def check(self) -> None:
         """Trace the backward once per structure (shapes only), so what fails in a VJP fails in ``backward``.
@@ -349,9 +375,10 @@ class LazyGrads:
         def build() -> Callable[[list[Array], Array | None, list[Array], OptState, StepFn[S]], tuple[S, Array]]:
             skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
 
-            def program(
+            def lazy_step_program(
                 given: list[Array], seed: Array | None, rest: list[Array], state: OptState, step_fn: StepFn[S]
             ) -> tuple[S, Array]:
+                _log_trace("lazy_step_program", "lazy step program", skel, pending)
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 others = iter(rest)
@@ -360,7 +387,7 @@ class LazyGrads:
 
             # the step is a static argument: a program traced for one optimizer serves every equal step
             # (the same optax structure and slots), and a retrace runs the caller's own
-            return jax.jit(program, static_argnums=4)
+            return jax.jit(lazy_step_program, static_argnums=4)
 
         key = self._key("step", pending, slots, alias, step_fn, with_loss)
         out, root = _program(key, build)(given, self.seed, rest, state, step_fn)

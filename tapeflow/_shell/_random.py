@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from .._core import _registry as R
 from .._core._checks import as_dtype, is_floating_dtype
 from .._core._kernels import KernelCache
 from .._core._result import TapeError
@@ -42,11 +43,12 @@ def _kernel(name: str, types: tuple[type, ...], shape: Shape, dtype: np.dtype | 
     fn: Callable[..., Array] | None = _KERNELS.hit(key)
     if fn is None:
         if name == "uniform":
-            fn = jax.jit(lambda k, lo, hi: jax.random.uniform(k, shape, dtype, lo, hi))
+            body: Callable[..., Array] = lambda k, lo, hi: jax.random.uniform(k, shape, dtype, lo, hi)  # noqa: E731
         elif name == "normal":
-            fn = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
+            body = lambda k: jax.random.normal(k, shape, dtype)  # noqa: E731
         else:
-            fn = jax.jit(lambda k, p: jax.random.bernoulli(k, p, shape))
+            body = lambda k, p: jax.random.bernoulli(k, p, shape)  # noqa: E731
+        fn = jax.jit(R.logged_kernel(body, name, "random draw", {"shape": shape, "dtype": str(dtype)}))
         _KERNELS.put(key, fn)
     return fn
 

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._core import _compile_log
 from .._core import _registry as R
+from .._core._compile_log import SigEntry
 from .._core._device import concrete_array_type
 from .._core._interrupts import deferred_interrupts
 from .._core._nonfinite import NonFiniteError
@@ -265,6 +267,28 @@ def value_and_grad(
     return f
 
 
+def _log_signature(
+    args: tuple[PyTree, ...],
+    kwargs: dict[str, PyTree],
+    static_kwargs: tuple[tuple[str, Hashable], ...],
+    extra_values: list[Array],
+    modes: tuple[tuple[int, bool], ...],
+    check_finite: bool,
+) -> list[SigEntry]:
+    """What a ``train_step`` compile depends on, labelled for the compile log (``argument 1``, ``argument y['mask']``)."""
+    named: list[tuple[str, object]] = []
+    for path, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        where, rest = path[0], path[1:]
+        top = f"argument {rest[0].idx}" if where.idx == 0 else f"argument {rest[0].key}"
+        named.append((top + jax.tree_util.keystr(rest[1:]), x))
+    sig = _compile_log.arrays(named)
+    sig += [(f"argument {k}", "static value", v) for k, v in static_kwargs]
+    sig.append(("Params read outside the optimizer", "static value", len(extra_values)))
+    sig.append(("train/eval modes", "static value", tuple(t for _, t in modes)))
+    sig.append(("check_finite", "static value", check_finite))
+    return sig
+
+
 class _Retrace(Exception):
     """Raised inside a trace that read Params the optimizer does not own (it carries them) or modes not yet keyed."""
 
@@ -331,6 +355,7 @@ class TrainStep:
         # the abstract signatures traced so far: one compiled program each (see cache_size)
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
+        self._log_key = object()  # counts this step's compiles in the compile log (holds nothing)
         self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8, 9))
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
@@ -361,6 +386,12 @@ class TrainStep:
         self.trace_count += 1
         leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
         signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs, modes)
+        _compile_log.traced(
+            "_pure",
+            f"train_step {getattr(self.loss_fn, '__qualname__', type(self.loss_fn).__name__)}",
+            ("train_step", self._log_key),
+            lambda: _log_signature(args, kwargs, static_kwargs, extra_values, modes, check_finite),
+        )
         kwargs = {**kwargs, **dict(static_kwargs)}
         opt = self.optimizer
         storages = opt.storages

@@ -40,12 +40,13 @@ from .._shell._params import Param, Storage, canonical_indices
 from .._shell._state import StateLog, state_log_of
 from . import _step
 from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
-from ._step import SlotRule, StepCall, StepOutcome, check_parts, finish
+from ._step import SlotRule, StepCall, check_parts, finish
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
 
 GradsLike: TypeAlias = "Grads | Mapping[Param | Storage | SlotKey, ArrayLike | None]"
 """What :meth:`Optimizer.step` accepts: a :class:`Grads`, or a mapping from a Param, a Storage or a slot key to a gradient."""
+
 
 class _FusedPlan(NamedTuple):
     """An optimizer's slot mapping of one recording's parameter groups (checked against its slots once)."""

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._core import _compile_log
 from .._core import _registry as R
 from .._core._result import TapeError
 from .._core._typing import Array, OptState, PyTree
@@ -248,7 +249,7 @@ def step(
     return StepOutcome(new_vals, new_state, finite)
 
 
-def _compiled_step(
+def optimizer_update(
     rule: SlotRule,
     parts: SlotParts,
     values: Sequence[Array],
@@ -257,10 +258,20 @@ def _compiled_step(
     loss: Array | None = None,
     keep_on_refusal: bool = False,
 ) -> StepOutcome:
-    return step(rule, parts, values, state, check_finite, loss, keep_on_refusal)  # looked up when traced
+    """:func:`step` as the eager path compiles it (``step`` is looked up when traced)."""
+    _compile_log.traced(
+        "optimizer_update",
+        f"optimizer update ({len(rule.specs)} slots)",
+        ("optimizer update", rule),
+        lambda: [
+            ("the slots used", "structure", tuple(0 if p is None else len(p) for p in parts)),
+            ("check_finite", "static value", check_finite),
+        ],
+    )
+    return step(rule, parts, values, state, check_finite, loss, keep_on_refusal)
 
 
-STEP = jax.jit(_compiled_step, static_argnums=0, static_argnames=("check_finite", "keep_on_refusal"))
+STEP = jax.jit(optimizer_update, static_argnums=0, static_argnames=("check_finite", "keep_on_refusal"))
 """:func:`step` compiled, for an eager step: one program per rule structure and parts (shared by equal rules)."""
 
 

@@ -1,0 +1,284 @@
+"""Compile once per structure, per process, and every compile explained (tfl.compile_log).
+
+Counts come from :func:`tfl.compile_log`, which listens to JAX's own compile
+reports: a record per XLA compile (or persistent-cache read), of any function.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import tapeflow as tfl
+from tapeflow._train._tx_key import structural_key
+
+F32 = jnp.float32
+X = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), F32)
+Y = jnp.array([0, 1, 2, 0, 1, 2])
+
+
+def model(seed: int = 0) -> tfl.nn.MLP:
+    return tfl.nn.MLP([5, 7, 3], key=jax.random.key(seed))
+
+
+def loss_of(m):
+    return lambda s, x, y: tfl.cross_entropy(m(x), y)
+
+
+def eager_step(m, opt, x=X, y=Y, lazy=False):
+    with tfl.Session(lazy=lazy) as s:
+        loss = tfl.cross_entropy(m(s.input(x)), y)
+        opt.step(s.backward(loss))
+        return float(loss)
+
+
+def values(m):
+    return [np.asarray(p.value) for _, p in m.named_parameters()]
+
+
+# --------------------------------------------------------------------------- the structural key of a transformation
+
+
+def test_structural_key_of_equal_transformations_is_equal():
+    assert structural_key(optax.adam(1e-3)) == structural_key(optax.adam(1e-3))
+    assert hash(structural_key(optax.adam(1e-3))) == hash(structural_key(optax.adam(1e-3)))
+    chain = lambda lr: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.1))  # noqa: E731
+    assert structural_key(chain(1e-3)) == structural_key(chain(1e-3))
+    sched = lambda: optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)  # noqa: E731
+    assert structural_key(optax.adam(sched())) == structural_key(optax.adam(sched()))
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (lambda: optax.adam(1e-3), lambda: optax.adam(2e-3)),  # a hyperparameter
+        (lambda: optax.adam(1e-3), lambda: optax.sgd(1e-3)),  # another transformation
+        (lambda: optax.adam(1e-3), lambda: optax.adam(1e-3, b1=0.8)),
+        (
+            lambda: optax.adamw(1e-3, mask={"w": True, "b": False}),
+            lambda: optax.adamw(1e-3, mask={"w": False, "b": True}),
+        ),
+        (
+            lambda: optax.adam(optax.linear_schedule(1.0, 0.0, 10)),
+            lambda: optax.adam(optax.linear_schedule(1.0, 0.0, 20)),
+        ),
+        (lambda: optax.adam(1e-3), lambda: optax.adam(jnp.float32(1e-3) * 2)),
+    ],
+)
+def test_structural_key_tells_different_transformations_apart(a, b):
+    assert structural_key(a()) != structural_key(b())
+
+
+def test_structural_key_compares_unknown_objects_by_identity_and_keeps_them():
+    class Rate:
+        def __call__(self, count):
+            return 1e-3
+
+    r = Rate()
+    assert structural_key(optax.adam(r)) == structural_key(optax.adam(r))
+    assert structural_key(optax.adam(Rate())) != structural_key(optax.adam(Rate()))
+    big = np.ones(10_000, np.float32)  # past MAX_ARRAY_SIZE: by identity
+    assert structural_key(optax.scale(big)) == structural_key(optax.scale(big))
+    assert structural_key(optax.scale(big)) != structural_key(optax.scale(big.copy()))
+
+
+def test_structural_key_of_a_recursive_closure_terminates():
+    def make():
+        def f(n):
+            return 0 if n == 0 else f(n - 1)
+
+        return optax.GradientTransformation(
+            lambda p: (), lambda u, s, p=None: (jax.tree.map(lambda g: g * (1 + f(2)), u), s)
+        )
+
+    assert structural_key(make()) == structural_key(make())
+
+
+# --------------------------------------------------------------------------- compile once per structure
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_new_optimizer_over_a_restored_model_compiles_nothing(lazy):
+    a = model()
+    opt_a = tfl.Optimizer(optax.adam(1e-2), a)
+    for _ in range(2):
+        eager_step(a, opt_a, lazy=lazy)
+    b = model(seed=1)
+    tfl.nn.load_state_dict(b, tfl.nn.state_dict(a))  # a fresh model with a's weights, as after a restore
+    opt_b = tfl.Optimizer(optax.adam(1e-2), b)  # a fresh transformation too: same structure
+    opt_b.state = jax.tree_util.tree_map(jnp.asarray, opt_a.state)
+    with tfl.compile_log(file=None) as log:
+        la, lb = eager_step(a, opt_a, lazy=lazy), eager_step(b, opt_b, lazy=lazy)
+    assert log.records == [], [str(r) for r in log.records]
+    assert la == lb
+    for va, vb in zip(values(a), values(b)):
+        np.testing.assert_array_equal(va, vb)  # the shared program computes b's step from b's values
+
+
+def test_a_shared_step_program_matches_plain_optax():
+    first = model()
+    opt_first = tfl.Optimizer(optax.adam(1e-2), first)
+    eager_step(first, opt_first)  # compiles the update this structure shares
+    m = model()
+    opt = tfl.Optimizer(optax.adam(1e-2), m)
+    params = {n: p.value for n, p in m.named_parameters()}
+    tx = optax.adam(1e-2)
+    state = tx.init(params)
+
+    def pure_loss(params):
+        h = jnp.maximum(X @ params["layers.0.weight"] + params["layers.0.bias"], 0.0)
+        logits = h @ params["layers.1.weight"] + params["layers.1.bias"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), Y[:, None], axis=1))
+
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+    for _ in range(3):
+        eager_step(m, opt)
+        g = jax.grad(pure_loss)(params)
+        upd, state = tx.update(g, state, params)
+        params = optax.apply_updates(params, upd)
+    for n, v in zip(names, values(m)):
+        np.testing.assert_allclose(v, np.asarray(params[n]), rtol=2e-5, atol=1e-6)
+
+
+def test_a_retrace_after_the_first_optimizer_died_uses_the_live_one():
+    w1, v1 = tfl.Param(jnp.ones(3, F32), name="w"), tfl.Param(jnp.ones(2, F32), name="v")
+    opt1 = tfl.Optimizer(optax.sgd(0.5), {"w": w1, "v": v1})
+    with tfl.Session() as s:
+        opt1.step(s.backward(tfl.sum(w1 * w1) + tfl.sum(v1)))  # both slots used
+    del opt1
+    gc.collect()
+    w2, v2 = tfl.Param(jnp.ones(3, F32), name="w"), tfl.Param(jnp.ones(2, F32), name="v")
+    opt2 = tfl.Optimizer(optax.sgd(0.5), {"w": w2, "v": v2})
+    with tfl.Session() as s:
+        opt2.step(s.backward(tfl.sum(w2 * w2)))  # only w: a new parts structure, traced with opt2's rule
+    np.testing.assert_allclose(np.asarray(w2.value), [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(np.asarray(v2.value), [1.0, 1.0])
+
+
+def test_a_different_hyperparameter_compiles_its_own_update():
+    m = model()
+    eager_step(m, tfl.Optimizer(optax.adam(1e-2), m))
+    before = values(m)
+    with tfl.compile_log(file=None) as log:
+        eager_step(m, tfl.Optimizer(optax.adam(0.25), m))
+    assert [r.what for r in log.tapeflow_records()] == ["optimizer update (4 slots)"]
+    assert log.tapeflow_records()[0].why == "first time"
+    moved = [np.abs(a - b).max() for a, b in zip(values(m), before)]
+    assert max(moved) > 0.2  # Adam's first step moves each weight by about the learning rate: 0.25, not 0.01
+
+
+@pytest.mark.skipif(not tfl.cache_dir(), reason="needs the persistent compilation cache (TAPEFLOW_CACHE_DIR)")
+def test_a_second_train_step_of_one_structure_reads_its_program_from_the_cache():
+    a = model()
+    opt_a = tfl.Optimizer(optax.adam(1e-2), a)
+    tfl.train_step(loss_of(a), opt_a)(X, Y)
+    b = model(seed=1)
+    tfl.nn.load_state_dict(b, tfl.nn.state_dict(a))
+    with tfl.compile_log(file=None) as log:
+        tfl.train_step(loss_of(b), tfl.Optimizer(optax.adam(1e-2), b))(X, Y)
+    recs = log.tapeflow_records()
+    assert [r.what.split()[0] for r in recs] == ["train_step"]
+    assert recs[0].cached, str(recs[0])  # traced again (a new loss function), but no XLA compile
+
+
+# --------------------------------------------------------------------------- every compile explained
+
+
+def test_compile_log_says_what_compiled_and_which_argument_changed():
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    with tfl.compile_log(file=None) as log:
+        step(X, Y)
+        step(X, Y)  # cached: no record
+        step(X[:4], Y[:4])
+    recs = log.tapeflow_records()
+    assert [r.what for r in recs] == ["train_step loss_of.<locals>.<lambda>"] * 2
+    assert recs[0].why == "first time" and recs[0].times == 1
+    assert recs[1].why == "new shape of argument 0: (6, 5) -> (4, 5); new shape of argument 1: (6,) -> (4,)"
+    assert recs[1].times == 2 and recs[1].seconds > 0
+    assert "train_step loss_of.<locals>.<lambda> in " in str(recs[1]) and "(6, 5) -> (4, 5)" in str(recs[1])
+
+
+def test_compile_log_explains_lazy_programs_and_op_kernels():
+    m = model()
+    opt = tfl.Optimizer(optax.sgd(0.1), m)
+    x = jnp.ones((11, 5), F32)  # a batch size no other test uses
+    with tfl.compile_log(file=None) as log:
+        eager_step(m, opt, x, jnp.zeros(11, jnp.int32), lazy=True)
+        eager_step(m, opt, x[:9], jnp.zeros(9, jnp.int32), lazy=True)
+    lazy = [r for r in log.tapeflow_records() if r.what.startswith("lazy step program")]
+    assert len(lazy) == 2
+    assert lazy[1].why.startswith("new shape of input node 0: (11, 5) -> (9, 5)")
+    tfl.clear_kernel_caches()
+    with tfl.compile_log(file=None) as log:
+        tfl.Session().input(jnp.ones((13, 3), F32)) * 2.0
+    ops = [r for r in log.tapeflow_records() if r.what == "op kernel mul"]
+    assert len(ops) == 1, [str(r) for r in log.records]
+    assert ops[0].why == "first time" or "-> (13, 3)" in ops[0].why, ops[0].why  # vs an earlier mul of (k, 3)
+
+
+def test_a_dropped_program_compiling_again_says_so():
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    step(X, Y)
+    jax.clear_caches()
+    with tfl.compile_log(file=None) as log:
+        step(X, Y)
+    (rec,) = [r for r in log.tapeflow_records() if r.what.startswith("train_step")]
+    assert rec.why.startswith("the same signature again")
+
+
+def test_recompiling_past_the_bound_warns_once_naming_the_argument_and_the_fix():
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    old = tfl.set_recompile_warning(2)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            for n in (6, 5, 4, 3, 2):
+                step(X[:n], Y[:n])
+        rec = [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
+        assert len(rec) == 1, [str(w.message) for w in got]
+        msg = str(rec[0].message)
+        assert "compiled 3 times" in msg and "argument 0: (5, 5) -> (4, 5)" in msg
+        assert "pad the last batch" in msg and "drop_last" in msg
+        assert rec[0].filename == __file__  # points at the line that compiled
+        tfl.set_recompile_warning(None)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            step2 = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+            for n in (6, 5, 4, 3, 2):
+                step2(X[:n], Y[:n])
+        assert not [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
+    finally:
+        tfl.set_recompile_warning(old)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_set_recompile_warning_rejects_bad_bounds(bad):
+    with pytest.raises(ValueError, match="set_recompile_warning: expected a positive int or None"):
+        tfl.set_recompile_warning(bad)
+
+
+def test_explain_compiles_environment_variable_prints_each_compile():
+    code = (
+        "import jax.numpy as jnp, optax, tapeflow as tfl\n"
+        "w = tfl.Param(jnp.ones(3))\n"
+        "step = tfl.train_step(lambda s, x: tfl.sum(w * x), tfl.Optimizer(optax.sgd(0.1), [w]))\n"
+        "step(jnp.ones(3)); step(jnp.ones(3))\n"
+    )
+    env = {**os.environ, "TAPEFLOW_EXPLAIN_COMPILES": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "train_step <lambda>" in ln]
+    assert len(lines) == 1 and lines[0].startswith("tapeflow: ") and lines[0].endswith(": first time"), out.stderr
