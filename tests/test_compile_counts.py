@@ -114,12 +114,14 @@ def test_a_new_optimizer_over_a_restored_model_compiles_nothing(lazy):
         eager_step(a, opt_a, lazy=lazy)
     b = model(seed=1)
     tfl.nn.load_state_dict(b, tfl.nn.state_dict(a))  # a fresh model with a's weights, as after a restore
-    opt_b = tfl.Optimizer(optax.adam(1e-2), b)  # a fresh transformation too: same structure
-    opt_b.state = jax.tree_util.tree_map(jnp.asarray, opt_a.state)
     with tfl.compile_log(file=None) as log:
+        opt_b = tfl.Optimizer(optax.adam(1e-2), b)  # a fresh transformation too: same structure
+        fresh = jax.tree_util.tree_leaves(opt_b.state)
+        opt_b.state = opt_a.state
         la, lb = eager_step(a, opt_a, lazy=lazy), eager_step(b, opt_b, lazy=lazy)
     assert log.records == [], [str(r) for r in log.records]
     assert la == lb
+    assert all(not np.asarray(x).any() for x in fresh)  # the compiled init: Adam's zeros and count
     for va, vb in zip(values(a), values(b)):
         np.testing.assert_array_equal(va, vb)  # the shared program computes b's step from b's values
 

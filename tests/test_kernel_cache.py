@@ -316,6 +316,7 @@ def test_eviction_is_least_recently_used_counted_and_recompiles_correctly():
         "random": 0,
         "lazy": 0,
         "lazy_checked": 0,
+        "optimizer_init": 0,
         "max_size": 3,
         "evictions": 0,
     }

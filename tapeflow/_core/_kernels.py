@@ -54,12 +54,13 @@ class KernelCache(OrderedDict[Hashable, Any]):
 
 def kernel_cache_info() -> dict[str, int]:
     """Entries per kernel cache (``"fwd"``, ``"vjp"``, ``"jvp"``, ``"fwd_jit"``: per op and attrs, ``"random"``: draws,
-    ``"lazy"``: programs of lazy sessions, ``"lazy_checked"``: structures whose backward a lazy session traced),
+    ``"lazy"``: programs of lazy sessions, ``"lazy_checked"``: structures whose backward a lazy session traced,
+    ``"optimizer_init"``: optimizers' compiled state inits, one per structure),
     their bound (``"max_size"``) and the ``"evictions"`` since the last :func:`clear_kernel_caches`.
 
     >>> import tapeflow as tfl
     >>> sorted(tfl.kernel_cache_info())
-    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'lazy', 'lazy_checked', 'max_size', 'random', 'vjp']
+    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'lazy', 'lazy_checked', 'max_size', 'optimizer_init', 'random', 'vjp']
     """
     info = {name: len(c) for name, c in _CACHES.items()}
     return {**info, "max_size": _max_size, "evictions": sum(c.evictions for c in _CACHES.values())}

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from .._core._device import device_of
+from .._core._kernels import KernelCache
 from .._core._result import TapeError
 from .._core._typing import Array, ArrayLike, NodeId, OptState, PyTree
 from .._shell._commit import commit
@@ -55,6 +56,26 @@ class _FusedPlan(NamedTuple):
     mine: list[ParameterGroup]  # the groups that update one of this optimizer's slots
     leaves: list[tuple[NodeId, ...] | None]  # per slot, the leaves whose cotangents update it (None: unused)
     used: list[bool]
+
+
+_INITS = KernelCache("optimizer_init", opaque=True)  # rule -> its transformation's init, compiled
+
+
+def _init_state(rule: SlotRule, params: PyTree) -> OptState:
+    """``rule.tx.init(params)`` as one compiled program per optimizer structure (shared by equal rules).
+
+    Run eagerly, an init costs one small compile per parameter shape (each
+    ``zeros_like``); compiled, it is one program, and a new optimizer of a
+    structure seen before compiles nothing. An init that needs concrete values
+    (Python control flow on them) runs eagerly.
+    """
+    fn = _INITS.hit(rule)
+    if fn is None:
+        _INITS.put(rule, fn := jax.jit(rule.tx.init))
+    try:
+        return fn(params)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+        return rule.tx.init(params)
 
 
 class Optimizer:
@@ -122,7 +143,7 @@ class Optimizer:
             self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
         self._fused_plan: _FusedPlan | None = None  # the last fused step's slot mapping (valid for its groups)
-        self.state: OptState = self.tx.init(self.param_tree())
+        self.state: OptState = _init_state(self.rule, self.param_tree())
 
     def _tree(self, values: Sequence[object]) -> PyTree:
         if self._names is not None:
