@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._core import _compile_log
 from .._core._device import device_of
 from .._core._kernels import KernelCache
 from .._core._result import TapeError
@@ -71,7 +72,13 @@ def _init_state(rule: SlotRule, params: PyTree) -> OptState:
     """
     fn = _INITS.hit(rule)
     if fn is None:
-        _INITS.put(rule, fn := jax.jit(rule.tx.init))
+        init = rule.tx.init
+
+        def optimizer_init(params: PyTree) -> OptState:
+            _compile_log.traced("optimizer_init", f"optimizer state init ({len(rule.specs)} slots)", ("init", rule), ())
+            return init(params)
+
+        _INITS.put(rule, fn := jax.jit(optimizer_init))
     try:
         return fn(params)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):

@@ -17,6 +17,7 @@ included), and only record ops, so they run eagerly in a
 >>> loss = step(jnp.array([1, 2, 3]))
 """
 
+from . import _init as init
 from ._interop import load_nnx_state, load_state_dict, nnx_state, state_dict
 from ._layers import (
     MLP,
@@ -48,6 +49,7 @@ __all__ = [
     "MultiHeadAttention",
     "Sequential",
     "TiedLinear",
+    "init",
     "load_nnx_state",
     "load_state_dict",
     "nnx_state",

@@ -23,6 +23,7 @@ from .._core._typing import Array, DTypeLike, PRNGKey
 from .._shell import _functions as F
 from .._shell._params import Param, tie
 from .._shell._tensor import Operand, Tensor
+from . import _init as init
 from ._module import Module
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
 
 
 def _uniform(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLike) -> Array:
-    return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init.uniform(key, shape, dtype, -bound, bound)
 
 
 def _check_key(key: PRNGKey | None, cls: str) -> None:
@@ -67,7 +68,7 @@ class Linear(Module):
         _check_key(key, "Linear")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        kw, kb = jax.random.split(key)
+        kw, kb = init.keys(key, 2)
         bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
         self.weight = Param(_uniform(kw, (self.in_features, self.out_features), bound, dtype), name="weight")
         self.bias = Param(_uniform(kb, (self.out_features,), bound, dtype), name="bias") if bias else None
@@ -132,7 +133,11 @@ class Embedding(Module):
         _check_key(key, "Embedding")
         self.num_embeddings = int(num_embeddings)
         self.dim = int(dim)
-        w = jax.random.normal(key, (self.num_embeddings, self.dim), dtype) * jnp.asarray(std, dtype)
+        w = init.normal(key, (self.num_embeddings, self.dim), dtype)
+        if np.dtype(dtype) == np.float32:  # scaled on the host: one float32 rounding, as on a device, no compile
+            w = jax.device_put(np.asarray(w) * np.float32(std))
+        else:
+            w = w * jnp.asarray(std, dtype)
         self.weight = Param(w, name="weight")
 
     def forward(self, ids: Operand) -> Tensor:
@@ -259,7 +264,7 @@ class Conv2d(Module):
         kh, kw = self.kernel_size
         fan_in = self.in_channels * kh * kw
         bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-        k1, k2 = jax.random.split(key)
+        k1, k2 = init.keys(key, 2)
         self.weight = Param(_uniform(k1, (self.out_channels, self.in_channels, kh, kw), bound, dtype), name="weight")
         self.bias = Param(_uniform(k2, (self.out_channels,), bound, dtype), name="bias") if bias else None
 
@@ -307,7 +312,7 @@ class MultiHeadAttention(Module):
         self.num_heads = int(num_heads)
         self.head_dim = self.dim // self.num_heads
         self.causal = bool(causal)
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        kq, kk, kv, ko = init.keys(key, 4)
         self.q_proj = Linear(dim, dim, key=kq, bias=bias, dtype=dtype)
         self.k_proj = Linear(dim, dim, key=kk, bias=bias, dtype=dtype)
         self.v_proj = Linear(dim, dim, key=kv, bias=bias, dtype=dtype)
@@ -402,7 +407,7 @@ class MLP(Module):
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2:
             raise ValueError(f"MLP: sizes needs at least an input and an output width, got {sizes}")
-        keys = jax.random.split(key, len(sizes) - 1)
+        keys = init.keys(key, len(sizes) - 1)
         self.activation = activation
         self.layers = [Linear(a, b, key=k, bias=bias, dtype=dtype) for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
 

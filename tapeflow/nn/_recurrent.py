@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,6 +24,7 @@ from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as F
 from .._shell._params import Param
 from .._shell._tensor import Operand, Tensor, session_of
+from . import _init as init
 from ._module import Module
 
 __all__ = ["GRUCell", "LSTMCell"]
@@ -53,15 +53,15 @@ class _Cell(Module):
             raise ValueError(f"{name}: input_size={input_size} must be >= 0 and hidden_size={hidden_size} must be >= 1")
         g = self._gates * self.hidden_size
         bound = 1.0 / math.sqrt(self.hidden_size)
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+        k1, k2, k3, k4 = init.keys(key, 4)
 
-        def init(k: PRNGKey, shape: tuple[int, ...], pname: str) -> Param:
-            return Param(jax.random.uniform(k, shape, dtype, -bound, bound), name=pname)
+        def param(k: PRNGKey, shape: tuple[int, ...], pname: str) -> Param:
+            return Param(init.uniform(k, shape, dtype, -bound, bound), name=pname)
 
-        self.weight_ih = init(k1, (g, self.input_size), "weight_ih")
-        self.weight_hh = init(k2, (g, self.hidden_size), "weight_hh")
-        self.bias_ih: Param | None = init(k3, (g,), "bias_ih") if bias else None
-        self.bias_hh: Param | None = init(k4, (g,), "bias_hh") if bias else None
+        self.weight_ih = param(k1, (g, self.input_size), "weight_ih")
+        self.weight_hh = param(k2, (g, self.hidden_size), "weight_hh")
+        self.bias_ih: Param | None = param(k3, (g,), "bias_ih") if bias else None
+        self.bias_hh: Param | None = param(k4, (g,), "bias_hh") if bias else None
 
     def _check_input(self, x: Operand) -> tuple[tuple[int, ...], np.dtype]:
         shape, dtype = _spec(x)
