@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -44,7 +43,7 @@ class Block(tfl.nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, dim: int, heads: int, *, key: Any) -> None:
-        k1, k2 = jax.random.split(key)
+        k1, k2 = tfl.nn.init.keys(key, 2)  # jax.random.split's keys, nothing compiled
         self.ln1 = tfl.nn.LayerNorm(dim)
         self.attn = tfl.nn.MultiHeadAttention(dim, heads, key=k1, causal=True)
         self.ln2 = tfl.nn.LayerNorm(dim)
@@ -59,11 +58,12 @@ class CharLM(tfl.nn.Module):
     """Tied embedding -> learned positions -> blocks -> LayerNorm -> tied output projection."""
 
     def __init__(self, vocab: int, context: int, dim: int, heads: int, layers: int, *, key: Any) -> None:
-        ke, kp, kb = jax.random.split(key, 3)
+        ke, kp, kb = tfl.nn.init.keys(key, 3)
         self.context = context
         self.embed = tfl.nn.Embedding(vocab, dim, key=ke, std=0.1)
-        self.pos = tfl.Param(0.02 * jax.random.normal(kp, (context, dim), jnp.float32), name="pos")
-        self.blocks = [Block(dim, heads, key=k) for k in jax.random.split(kb, layers)]
+        # jax.random.normal's values, from the one compiled initializer kernel, scaled on the host
+        self.pos = tfl.Param(np.float32(0.02) * np.asarray(tfl.nn.init.normal(kp, (context, dim))), name="pos")
+        self.blocks = [Block(dim, heads, key=k) for k in tfl.nn.init.keys(kb, layers)]
         self.ln_f = tfl.nn.LayerNorm(dim)
         self.head = self.embed.tied_output()  # same storage as embed.weight
 
