@@ -19,6 +19,7 @@ from ._core._precision import dynamic_loss_scale
 from ._core._registry import REGISTRY, OpDef, ops
 from ._core._result import Err, Ok, Result, TapeError
 from ._core._tape import Node, Tape, keep_tape_on_error, leaf, record
+from ._core._tiered import set_tiered_compilation
 from ._serialization._checkpoint import CheckpointError, restore, save
 from ._shell._commit import StateWriteError
 from ._shell._extend import defop, lift
@@ -186,6 +187,7 @@ __all__ = [
     "set_cache_dir",
     "set_kernel_cache_size",
     "set_recompile_warning",
+    "set_tiered_compilation",
     "sigmoid",
     "sin",
     "softmax",

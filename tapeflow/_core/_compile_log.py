@@ -55,9 +55,11 @@ __all__ = [
     "CompileRecord",
     "RecompileWarning",
     "SigEntry",
+    "adopt_notes",
     "arrays",
     "compile_log",
     "install",
+    "pending_notes",
     "set_recompile_warning",
     "traced",
 ]
@@ -181,6 +183,19 @@ def traced(
         while len(_counts.seen) > _MAX_KEYS:
             del _counts.seen[next(iter(_counts.seen))]
     _thread().notes[name] = _Note(what, why, count + 1, key if group == "key" else group)
+
+
+def pending_notes() -> dict[str, object]:
+    """This thread's notes of traced functions not compiled yet (to hand to a thread that compiles them)."""
+    return dict(_thread().notes)
+
+
+def adopt_notes(notes: dict[str, object], suffix: str) -> None:
+    """Make ``notes`` (from :func:`pending_notes`) this thread's, each ``what`` followed by ``suffix``."""
+    t = _thread()
+    for name, note in notes.items():
+        if isinstance(note, _Note):
+            t.notes[name] = note._replace(what=f"{note.what} {suffix}", group=None)
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:

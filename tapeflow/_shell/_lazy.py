@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import NamedTuple, TypeAlias, TypeVar
+from typing import NamedTuple, TypeAlias, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ from .._core._backward import backward as tape_backward
 from .._core._compile_log import SigEntry
 from .._core._kernels import KernelCache
 from .._core._tape import PENDING, Tape, computed_values, fill_pending, with_values
+from .._core._tiered import maybe_tiered
 from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
 from ._params import Storage
@@ -253,10 +254,10 @@ def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...]) ->
     _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
 
 
-def _program(key: tuple[Hashable, ...], build: Callable[[], F]) -> F:
+def _program(key: tuple[Hashable, ...], build: Callable[[], F], static_argnums: tuple[int, ...] = ()) -> F:
     fn = _PROGRAMS.hit(key)
     if fn is None:
-        fn = build()
+        fn = cast(F, maybe_tiered(build(), static_argnums))  # tiered compilation, when it is on
         _PROGRAMS.put(key, fn)
     return fn
 
@@ -390,6 +391,6 @@ class LazyGrads:
             return jax.jit(lazy_step_program, static_argnums=4)
 
         key = self._key("step", pending, slots, alias, step_fn, with_loss)
-        out, root = _program(key, build)(given, self.seed, rest, state, step_fn)
+        out, root = _program(key, build, (4,))(given, self.seed, rest, state, step_fn)
         self._set_root(root)
         return out

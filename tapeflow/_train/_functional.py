@@ -35,6 +35,7 @@ from .._core._device import concrete_array_type
 from .._core._interrupts import deferred_interrupts
 from .._core._nonfinite import NonFiniteError
 from .._core._result import TapeError
+from .._core._tiered import maybe_tiered
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 from .._shell._commit import traced_write
 from .._shell._debug import debug_nans_default, finite_flag
@@ -356,7 +357,9 @@ class TrainStep:
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
         self._log_key = object()  # counts this step's compiles in the compile log (holds nothing)
-        self._compiled = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=(5, 6, 8, 9))
+        static = (5, 6, 8, 9)
+        jitted = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=static)
+        self._compiled = maybe_tiered(jitted, static)  # each new signature in two tiers, when that is on
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
         # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
