@@ -195,7 +195,7 @@ def adopt_notes(notes: dict[str, object], suffix: str) -> None:
     t = _thread()
     for name, note in notes.items():
         if isinstance(note, _Note):
-            t.notes[name] = note._replace(what=f"{note.what} {suffix}", group=None)
+            t.notes[name] = _Note(f"{note.what} {suffix}", note.why, note.times, None)
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
