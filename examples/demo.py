@@ -111,7 +111,44 @@ def train(
 
     history: dict[str, list[float]] = {"step_loss": [], "epoch_loss": [], "epoch_accuracy": []}
     per_epoch = len(x) // batch
-    bar = tqdm(total=epochs * per_epoch, disable=quiet, desc="training (eager)", unit="step")
+    desc = f"training ({'lazy' if session.lazy else 'eager'})"
+    bar = tqdm(total=epochs * per_epoch, disable=quiet, desc=desc, unit="step")
+
+    # While XLA compiles (the first steps), the bar says so, and the compile time stays out of its rate
+    # (and so out of its ETA): unpause() restarts the bar's clock once the compile is done.
+    def compiling(what: str) -> None:
+        named = "" if what.startswith("jax function") else f" {what.split(' (')[0]}"  # an op kernel, a program
+        bar.set_description_str(f"compiling{named}", refresh=True)
+
+    def compiled(record: tfl.CompileRecord) -> None:
+        bar.set_description_str(desc, refresh=False)
+        bar.unpause()
+
+    log = tfl.compile_log(file=None, on_start=compiling, on_end=compiled)
+    try:
+        _train_epochs(model, opt, session, x, y, epochs, batch, rng, eval_data, device, compute_dtype, history, bar)
+    finally:
+        log.stop()
+        bar.close()
+    return history
+
+
+def _train_epochs(
+    model: TiedAutoencoderClassifier,
+    opt: tfl.Optimizer,
+    session: tfl.Session,
+    x: np.ndarray,
+    y: np.ndarray,
+    epochs: int,
+    batch: int,
+    rng: np.random.Generator,
+    eval_data: tuple[np.ndarray, np.ndarray] | None,
+    device: Any,
+    compute_dtype: Any,
+    history: dict[str, list[float]],
+    bar: Any,
+) -> None:
+    per_epoch = len(x) // batch
     for _ in range(epochs):
         for b in batches(len(x), batch, rng):
             with session as s:  # the block resets the session on exit
@@ -123,8 +160,6 @@ def train(
         history["epoch_loss"].append(float(np.mean(history["step_loss"][-per_epoch:])))
         if eval_data is not None:
             history["epoch_accuracy"].append(accuracy(model, *eval_data, device, compute_dtype))
-    bar.close()
-    return history
 
 
 PLOT_HELP = "--plot needs matplotlib: pip install -e '.[demo]'"

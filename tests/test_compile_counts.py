@@ -284,3 +284,31 @@ def test_explain_compiles_environment_variable_prints_each_compile():
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "train_step <lambda>" in ln]
     assert len(lines) == 1 and lines[0].startswith("tapeflow: ") and lines[0].endswith(": first time"), out.stderr
+
+
+def test_on_start_and_on_end_bracket_each_compile():
+    events = []
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    with tfl.compile_log(
+        file=None, on_start=lambda what: events.append(("start", what)), on_end=lambda r: events.append(("end", r.what))
+    ):
+        step(X[:5], Y[:5])
+    mine = [e for e in events if e[1].startswith("train_step")]
+    assert mine == [("start", "train_step loss_of.<locals>.<lambda>"), ("end", "train_step loss_of.<locals>.<lambda>")]
+    assert events.index(mine[0]) < events.index(mine[1])
+
+
+def test_numpy_inputs_of_new_shapes_compile_nothing_to_enter_a_session():
+    s = tfl.Session()
+    s.input(np.ones((2, 3), np.float32))
+    with tfl.compile_log(file=None) as log:
+        xs = [s.input(np.full((n, 3), float(n))) for n in (3, 4, 5)]  # float64 NumPy data: JAX's dtype, copied
+        p = tfl.Param(np.zeros((7, 2), np.float32))
+    assert log.records == [], [str(r) for r in log.records]
+    for n, x in zip((3, 4, 5), xs):
+        assert x.value.dtype == jnp.result_type(np.float64) and np.asarray(x.value).tolist() == [[n] * 3] * n
+    host = np.ones(3, np.float32)
+    x = s.input(host)
+    host[:] = 5.0  # the session holds a copy
+    assert float(x.value[0]) == 1.0 and p.value.shape == (7, 2)

@@ -220,6 +220,19 @@ def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
         sink.add(rec)
 
 
+def _on_scalar(event: str, value: float | int, **kwargs: str | int) -> None:
+    """The start of a trace, lowering or compile (JAX reports the start time as a scalar)."""
+    if event != _COMPILE or not _sinks:
+        return
+    name = str(kwargs.get("fun_name", ""))
+    if name.startswith("jit(") and name.endswith(")"):
+        name = name[4:-1]
+    note = _thread().notes.get(name)
+    what = f"jax function {name}" if note is None else note.what
+    for sink in list(_sinks):
+        sink.start(what)
+
+
 def _on_event(event: str, **kwargs: str | int) -> None:
     if event == _HIT:
         _thread().hit = True
@@ -262,6 +275,7 @@ def install() -> None:
     _installed = True
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
     jax.monitoring.register_event_listener(_on_event)
+    jax.monitoring.register_scalar_listener(_on_scalar)
     if os.environ.get("TAPEFLOW_EXPLAIN_COMPILES", "").strip() not in ("", "0"):
         _sinks.append(CompileLog(sys.stderr))
 
@@ -282,10 +296,22 @@ def set_recompile_warning(after: int | None) -> int | None:
 
 
 class CompileLog:
-    """The compiles seen while this log is active: :attr:`records`, each also printed to ``file`` (None: not printed)."""
+    """The compiles seen while this log is active: :attr:`records`, each also printed to ``file`` (None: not printed).
 
-    def __init__(self, file: TextIO | None) -> None:
+    ``on_start(what)`` is called when an XLA compile begins (in the thread that
+    compiles, before it blocks), ``on_end(record)`` when it ended: a progress
+    bar can say "compiling" meanwhile, and leave the compile out of its rate.
+    """
+
+    def __init__(
+        self,
+        file: TextIO | None,
+        on_start: Callable[[str], None] | None = None,
+        on_end: Callable[[CompileRecord], None] | None = None,
+    ) -> None:
         self.file = file
+        self.on_start = on_start
+        self.on_end = on_end
         self.records: list[CompileRecord] = []
         self._lock = threading.Lock()
 
@@ -294,6 +320,13 @@ class CompileLog:
             self.records.append(rec)
         if self.file is not None:
             print(rec, file=self.file, flush=True)
+        if self.on_end is not None:
+            self.on_end(rec)
+
+    def start(self, what: str) -> None:
+        """An XLA compile of ``what`` begins (see ``on_start``)."""
+        if self.on_start is not None:
+            self.on_start(what)
 
     def tapeflow_records(self) -> list[CompileRecord]:
         """The records of functions tapeflow compiled (not the user's own ``jax.jit`` s or JAX internals)."""
@@ -324,7 +357,12 @@ class _Stderr:
 STDERR = _Stderr()
 
 
-def compile_log(file: TextIO | _Stderr | None = STDERR) -> CompileLog:
+def compile_log(
+    file: TextIO | _Stderr | None = STDERR,
+    *,
+    on_start: Callable[[str], None] | None = None,
+    on_end: Callable[[CompileRecord], None] | None = None,
+) -> CompileLog:
     """Print one line per compile from now on (to ``file``, default stderr; None: collect only); returns the log.
 
     Each line says what compiled (an op kernel, a lazy program, a ``train_step``,
@@ -332,6 +370,8 @@ def compile_log(file: TextIO | _Stderr | None = STDERR) -> CompileLog:
     time; a new shape, dtype or static value of which argument; a new structure),
     how long it took, and whether the persistent compilation cache served it.
     Use it as a context manager to log a block, or call :meth:`CompileLog.stop`.
+    ``on_start(what)`` and ``on_end(record)`` are called as each compile begins
+    and ends (``examples/demo.py``'s progress bar says "compiling" with them).
     ``TAPEFLOW_EXPLAIN_COMPILES=1`` logs every compile to stderr from import on.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
@@ -342,6 +382,6 @@ def compile_log(file: TextIO | _Stderr | None = STDERR) -> CompileLog:
     >>> [r.what for r in log.records]
     ['jax function <lambda>', 'jax function <lambda>']
     """
-    log = CompileLog(sys.stderr if isinstance(file, _Stderr) else file)
+    log = CompileLog(sys.stderr if isinstance(file, _Stderr) else file, on_start, on_end)
     _sinks.append(log)
     return log

@@ -382,7 +382,8 @@ def place(value: ArrayLike, device: jax.Device | None) -> Array:
     stay as they are; a ``jax.Array`` already on ``device``, or sharded over
     several devices, keeps its placement; anything else is put on ``device``
     (committed), or converted with JAX's dtypes and left uncommitted on the
-    default device when ``device`` is None. A session passes None for its
+    default device when ``device`` is None (NumPy data by a copy, never a
+    compiled program: ``jnp.asarray`` would compile one per shape). A session passes None for its
     default device, so kernels see one placement for every operand.
 
     >>> import numpy as np
@@ -401,6 +402,9 @@ def place(value: ArrayLike, device: jax.Device | None) -> Array:
         return jax.device_put(value, device)
     if isinstance(value, jax.Array):
         return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        # what jnp.asarray makes of it (JAX's dtype, uncommitted), copied, without a compiled copy per shape
+        return jax.device_put(value, may_alias=False)
     return jnp.asarray(value)
 
 
