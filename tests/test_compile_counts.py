@@ -252,7 +252,7 @@ def test_recompiling_past_the_bound_warns_once_naming_the_argument_and_the_fix()
         rec = [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
         assert len(rec) == 1, [str(w.message) for w in got]
         msg = str(rec[0].message)
-        assert "compiled 3 times" in msg and "argument 0: (5, 5) -> (4, 5)" in msg
+        assert "compiled for 3 different signatures" in msg and "argument 0: (5, 5) -> (4, 5)" in msg
         assert "pad the last batch" in msg and "drop_last" in msg
         assert rec[0].filename == __file__  # points at the line that compiled
         tfl.set_recompile_warning(None)
@@ -312,3 +312,18 @@ def test_numpy_inputs_of_new_shapes_compile_nothing_to_enter_a_session():
     x = s.input(host)
     host[:] = 5.0  # the session holds a copy
     assert float(x.value[0]) == 1.0 and p.value.shape == (7, 2)
+
+
+def test_compiling_one_signature_again_and_again_does_not_warn():
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    old = tfl.set_recompile_warning(2)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                jax.clear_caches()  # the program is dropped: the next call compiles the same signature again
+                step(X, Y)
+        assert not [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
+    finally:
+        tfl.set_recompile_warning(old)

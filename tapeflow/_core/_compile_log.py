@@ -20,8 +20,8 @@ only at trace time, so a compiled call pays nothing), naming
 When the XLA compile of that function ends (or the cache served it), one
 :class:`CompileRecord` is made. :func:`compile_log` prints them (or collects
 them); ``TAPEFLOW_EXPLAIN_COMPILES=1`` prints them from import on. A key that
-compiles more than :func:`set_recompile_warning`'s bound (default
-:data:`DEFAULT_WARN_AFTER`) in one process warns once with a
+compiles for more distinct signatures than :func:`set_recompile_warning`'s
+bound (default :data:`DEFAULT_WARN_AFTER`) in one process warns once with a
 :class:`RecompileWarning` that names the changing argument and the fix. An op
 kernel is keyed by its op, attributes and operand shapes, without the first
 axis of operands with two or more (a model has a kernel per layer shape by design; one kernel compiled for
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 DEFAULT_WARN_AFTER = 8
-"""A function that compiles more often than this in one process warns (:class:`RecompileWarning`)."""
+"""A function compiled for more signatures than this in one process warns (:class:`RecompileWarning`)."""
 
 _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -78,7 +78,7 @@ SigEntry = tuple[str, str, object]
 
 
 class RecompileWarning(UserWarning):
-    """One function compiled more than :func:`set_recompile_warning`'s bound in this process (new shapes, most often)."""
+    """One function compiled for more signatures than :func:`set_recompile_warning`'s bound (new shapes, most often)."""
 
 
 class CompileRecord(NamedTuple):
@@ -100,15 +100,17 @@ class _Note(NamedTuple):
     what: str
     why: str
     times: int
+    shapes: int  # distinct signatures of its key so far (what the warning counts)
     group: Hashable  # warned about once per group (None: never)
 
 
 class _Counts:
-    """Per key: how many compiles and the last signature (bounded, oldest forgotten first); groups that warned."""
+    """Per key: how many compiles, the last signature and the distinct ones (bounded, oldest forgotten first);
+    the groups that warned."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.seen: dict[Hashable, tuple[int, tuple[SigEntry, ...]]] = {}
+        self.seen: dict[Hashable, tuple[int, tuple[SigEntry, ...], frozenset[int]]] = {}
         self.warned: set[Hashable] = set()
 
 
@@ -171,18 +173,21 @@ def traced(
     """Call while tracing jax function ``name``: its compile is ``what``, counted under ``key``, with ``signature``.
 
     ``signature`` may be a function (called here, at trace time only). A key
-    that compiles more than the bound warns once per ``group`` (default: the
+    that compiles for more signatures than the bound warns once per ``group`` (default: the
     key itself; None: never), so kernels of many ops can share one warning.
     """
     sig = tuple(signature() if callable(signature) else signature)
+    h = hash(repr(sig))  # a compile of a signature seen before (a dropped program) is no new shape
     with _counts.lock:
         got = _counts.seen.pop(key, None)
-        count, old = (0, None) if got is None else got
+        count, old, distinct = (0, None, frozenset()) if got is None else got
         why = _why(old, sig)
-        _counts.seen[key] = (count + 1, sig)
+        if h not in distinct and len(distinct) <= 64:  # past the bound, only "more than it" matters
+            distinct = distinct | {h}
+        _counts.seen[key] = (count + 1, sig, distinct)
         while len(_counts.seen) > _MAX_KEYS:
             del _counts.seen[next(iter(_counts.seen))]
-    _thread().notes[name] = _Note(what, why, count + 1, key if group == "key" else group)
+    _thread().notes[name] = _Note(what, why, count + 1, len(distinct), key if group == "key" else group)
 
 
 def pending_notes() -> dict[str, object]:
@@ -195,7 +200,7 @@ def adopt_notes(notes: dict[str, object], suffix: str) -> None:
     t = _thread()
     for name, note in notes.items():
         if isinstance(note, _Note):
-            t.notes[name] = _Note(f"{note.what} {suffix}", note.why, note.times, None)
+            t.notes[name] = _Note(f"{note.what} {suffix}", note.why, note.times, note.shapes, None)
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
@@ -251,14 +256,15 @@ def _outside_frames() -> int:
 
 def _maybe_warn(note: _Note) -> None:
     bound = _warn_after
-    if bound is None or note.group is None or note.times <= bound:
+    if bound is None or note.group is None or note.shapes <= bound:
         return
     with _counts.lock:
         if note.group in _counts.warned:
             return
         _counts.warned.add(note.group)
     warnings.warn(
-        f"tapeflow: {note.what} compiled {note.times} times in this process, this time because {note.why}. "
+        f"tapeflow: {note.what} compiled for {note.shapes} different signatures in this process, this time "
+        f"because {note.why}. "
         "Each new shape compiles a new program: give every step the same shapes (pad the last batch to the batch "
         "size with a mask, or drop it: drop_last=True; bucket sequence lengths to a few sizes). "
         "tfl.compile_log() lists every compile; tfl.set_recompile_warning(None) silences this",
@@ -281,7 +287,10 @@ def install() -> None:
 
 
 def set_recompile_warning(after: int | None) -> int | None:
-    """Warn when one function compiled more than ``after`` times (None: never); returns the previous bound.
+    """Warn when one function compiled for more than ``after`` signatures (None: never); returns the previous bound.
+
+    A signature counts once: compiling one again after its program was dropped
+    (``jax.clear_caches``, an evicted kernel) is not what the warning is about.
 
     >>> import tapeflow as tfl
     >>> old = tfl.set_recompile_warning(2)
