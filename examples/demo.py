@@ -19,7 +19,9 @@ loop, the same loop in a lazy session, and one compiled ``tfl.train_step`` call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,23 @@ def accuracy(
     return float((pred == y).mean())
 
 
+@contextlib.contextmanager
+def compiles_shown_on(bar: Any, desc: str) -> Iterator[None]:
+    """While XLA compiles (the first steps), ``bar`` says so, and the compile time stays out of its rate
+    (so out of its ETA): ``unpause()`` restarts the bar's clock once the compile is done."""
+
+    def compiling(what: str) -> None:
+        named = "" if what.startswith("jax function") else f" {what.split(' (')[0]}"  # an op kernel, a program
+        bar.set_description_str(f"compiling{named}", refresh=True)
+
+    def compiled(record: tfl.CompileRecord) -> None:
+        bar.set_description_str(desc, refresh=False)
+        bar.unpause()
+
+    with tfl.compile_log(file=None, on_start=compiling, on_end=compiled):
+        yield
+
+
 def train(
     model: TiedAutoencoderClassifier,
     opt: tfl.Optimizer,
@@ -114,52 +133,21 @@ def train(
     desc = f"training ({'lazy' if session.lazy else 'eager'})"
     bar = tqdm(total=epochs * per_epoch, disable=quiet, desc=desc, unit="step")
 
-    # While XLA compiles (the first steps), the bar says so, and the compile time stays out of its rate
-    # (and so out of its ETA): unpause() restarts the bar's clock once the compile is done.
-    def compiling(what: str) -> None:
-        named = "" if what.startswith("jax function") else f" {what.split(' (')[0]}"  # an op kernel, a program
-        bar.set_description_str(f"compiling{named}", refresh=True)
+    with compiles_shown_on(bar, desc):
+        for _ in range(epochs):
+            for b in batches(len(x), batch, rng):
+                with session as s:  # the block resets the session on exit
+                    loss = model.loss(s, x[b], y[b])
+                    opt.step(s.backward(loss))  # tied W: both uses summed, one update
+                    history["step_loss"].append(float(loss))
+                    bar.set_postfix(loss=f"{history['step_loss'][-1]:.4f}", refresh=False)
+                bar.update()
+            history["epoch_loss"].append(float(np.mean(history["step_loss"][-per_epoch:])))
+            if eval_data is not None:
+                history["epoch_accuracy"].append(accuracy(model, *eval_data, device, compute_dtype))
 
-    def compiled(record: tfl.CompileRecord) -> None:
-        bar.set_description_str(desc, refresh=False)
-        bar.unpause()
-
-    log = tfl.compile_log(file=None, on_start=compiling, on_end=compiled)
-    try:
-        _train_epochs(model, opt, session, x, y, epochs, batch, rng, eval_data, device, compute_dtype, history, bar)
-    finally:
-        log.stop()
-        bar.close()
+    bar.close()
     return history
-
-
-def _train_epochs(
-    model: TiedAutoencoderClassifier,
-    opt: tfl.Optimizer,
-    session: tfl.Session,
-    x: np.ndarray,
-    y: np.ndarray,
-    epochs: int,
-    batch: int,
-    rng: np.random.Generator,
-    eval_data: tuple[np.ndarray, np.ndarray] | None,
-    device: Any,
-    compute_dtype: Any,
-    history: dict[str, list[float]],
-    bar: Any,
-) -> None:
-    per_epoch = len(x) // batch
-    for _ in range(epochs):
-        for b in batches(len(x), batch, rng):
-            with session as s:  # the block resets the session on exit
-                loss = model.loss(s, x[b], y[b])
-                opt.step(s.backward(loss))  # tied W: both uses summed, one update
-                history["step_loss"].append(float(loss))
-                bar.set_postfix(loss=f"{history['step_loss'][-1]:.4f}", refresh=False)
-            bar.update()
-        history["epoch_loss"].append(float(np.mean(history["step_loss"][-per_epoch:])))
-        if eval_data is not None:
-            history["epoch_accuracy"].append(accuracy(model, *eval_data, device, compute_dtype))
 
 
 PLOT_HELP = "--plot needs matplotlib: pip install -e '.[demo]'"

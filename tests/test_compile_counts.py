@@ -6,6 +6,7 @@ reports: a record per XLA compile (or persistent-cache read), of any function.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -240,30 +241,36 @@ def test_a_dropped_program_compiling_again_says_so():
     assert rec.why.startswith("the same signature again")
 
 
-def test_recompiling_past_the_bound_warns_once_naming_the_argument_and_the_fix():
-    m = model()
-    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
-    old = tfl.set_recompile_warning(2)
+@contextlib.contextmanager
+def recompile_warnings(bound):
+    """The RecompileWarnings of the block (a list, filled when it ends), with the warning bound set to ``bound``."""
+    old = tfl.set_recompile_warning(bound)
+    found = []
     try:
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            for n in (6, 5, 4, 3, 2):
-                step(X[:n], Y[:n])
-        rec = [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
-        assert len(rec) == 1, [str(w.message) for w in got]
-        msg = str(rec[0].message)
-        assert "compiled for 3 different signatures" in msg and "argument 0: (5, 5) -> (4, 5)" in msg
-        assert "pad the last batch" in msg and "drop_last" in msg
-        assert rec[0].filename == __file__  # points at the line that compiled
-        tfl.set_recompile_warning(None)
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            step2 = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
-            for n in (6, 5, 4, 3, 2):
-                step2(X[:n], Y[:n])
-        assert not [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
+            yield found
+        found += [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
     finally:
         tfl.set_recompile_warning(old)
+
+
+def test_recompiling_past_the_bound_warns_once_naming_the_argument_and_the_fix():
+    m = model()
+    step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    with recompile_warnings(2) as rec:
+        for n in (6, 5, 4, 3, 2):
+            step(X[:n], Y[:n])
+    assert len(rec) == 1, [str(w.message) for w in rec]
+    msg = str(rec[0].message)
+    assert "compiled for 3 different signatures" in msg and "argument 0: (5, 5) -> (4, 5)" in msg
+    assert "pad the last batch" in msg and "drop_last" in msg
+    assert rec[0].filename == __file__  # points at the line that compiled
+    step2 = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
+    with recompile_warnings(None) as rec:
+        for n in (6, 5, 4, 3, 2):
+            step2(X[:n], Y[:n])
+    assert rec == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
@@ -317,13 +324,8 @@ def test_numpy_inputs_of_new_shapes_compile_nothing_to_enter_a_session():
 def test_compiling_one_signature_again_and_again_does_not_warn():
     m = model()
     step = tfl.train_step(loss_of(m), tfl.Optimizer(optax.sgd(0.1), m))
-    old = tfl.set_recompile_warning(2)
-    try:
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            for _ in range(4):
-                jax.clear_caches()  # the program is dropped: the next call compiles the same signature again
-                step(X, Y)
-        assert not [w for w in got if issubclass(w.category, tfl.RecompileWarning)]
-    finally:
-        tfl.set_recompile_warning(old)
+    with recompile_warnings(2) as rec:
+        for _ in range(4):
+            jax.clear_caches()  # the program is dropped: the next call compiles the same signature again
+            step(X, Y)
+    assert rec == []

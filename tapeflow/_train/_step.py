@@ -249,26 +249,18 @@ def step(
     return StepOutcome(new_vals, new_state, finite)
 
 
-def optimizer_update(
-    rule: SlotRule,
-    parts: SlotParts,
-    values: Sequence[Array],
-    state: OptState,
-    check_finite: bool,
-    loss: Array | None = None,
-    keep_on_refusal: bool = False,
-) -> StepOutcome:
-    """:func:`step` as the eager path compiles it (``step`` is looked up when traced)."""
+def optimizer_update(rule: SlotRule, parts: SlotParts, *args: object, **kwargs: object) -> StepOutcome:
+    """:func:`step` as the eager path compiles it (``step`` is looked up when traced), telling the compile log."""
     _compile_log.traced(
         "optimizer_update",
         f"optimizer update ({len(rule.specs)} slots)",
         ("optimizer update", rule),
         lambda: [
             ("the slots used", "structure", tuple(0 if p is None else len(p) for p in parts)),
-            ("check_finite", "static value", check_finite),
+            ("check_finite", "static value", kwargs.get("check_finite")),
         ],
     )
-    return step(rule, parts, values, state, check_finite, loss, keep_on_refusal)
+    return step(rule, parts, *args, **kwargs)  # type: ignore[arg-type]
 
 
 STEP = jax.jit(optimizer_update, static_argnums=0, static_argnames=("check_finite", "keep_on_refusal"))
