@@ -84,7 +84,7 @@ from ._shell._functions import (  # every public op, generated from the registry
 from ._shell._grads import Grads, ParameterGroup
 from ._shell._params import Param, Storage, canonical_indices, tie
 from ._shell._remat import checkpoint
-from ._shell._session import RationalFallbackWarning, Session
+from ._shell._session import RationalFallbackWarning, Session, TapeGrowthWarning
 from ._shell._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
 from ._train._functional import TrainStep, param_values, train_step, value_and_grad
 from ._train._optim import Optimizer
@@ -115,6 +115,7 @@ __all__ = [
     "Storage",
     "Tape",
     "TapeError",
+    "TapeGrowthWarning",
     "Tensor",
     "TrainStep",
     # op functions (tapeflow._shell._functions)

@@ -403,8 +403,10 @@ def place(value: ArrayLike, device: jax.Device | None) -> Array:
     if isinstance(value, jax.Array):
         return value
     if isinstance(value, (np.ndarray, np.generic)):
-        # what jnp.asarray makes of it (JAX's dtype, uncommitted), copied, without a compiled copy per shape
-        return jax.device_put(value, may_alias=False)
+        # what jnp.asarray makes of it (JAX's dtype, uncommitted) without a compiled copy per shape; copied on the
+        # host first: device_put reads its source after it returned, so a caller reusing its buffer (a data
+        # loader) would change what was recorded
+        return jax.device_put(np.array(value))
     return jnp.asarray(value)
 
 

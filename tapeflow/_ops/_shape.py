@@ -44,6 +44,11 @@ __all__ = ["normalize_index"]
 
 def _int_operand(specs: tuple[Spec, ...], i: int, what: str) -> str | None:
     dt = specs[i][1]
+    if dt == np.dtype(bool):  # a mask is not a list of positions: casting it would pick rows 0 and 1, silently
+        return (
+            f"{what} (operand #{i}) is a boolean mask, not integer positions; select with x[mask] on a session "
+            "tensor (eager or lazy), or keep the shape with tfl.where(mask, x, 0) (what compiled steps need)"
+        )
     if not is_int_dtype(dt):
         return (
             f"{what} (operand #{i}) must have an integer dtype, got {dt}; "

@@ -19,7 +19,7 @@ so their sums are bit-identical.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeAlias, cast
 
 import numpy as np
@@ -142,6 +142,7 @@ class Grads(Mapping[GradKey, Array]):
         # so it never holds the other groups' buffers past the last optimizer step
         self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
         self.released = False
+        self.on_step: Callable[[], None] | None = None  # what an optimizer step over these gradients tells
         self._consumed: set[NodeId] = set()
         # how non-finite gradients are checked and explained (set by the session's backward; None: not at all)
         self.check: NonFiniteCheck | None = None
@@ -263,6 +264,11 @@ class Grads(Mapping[GradKey, Array]):
             if v is not None:
                 out.append((g.parameter, v))
         return out
+
+    def stepped(self) -> None:
+        """An optimizer stepped from these gradients (its session learns that its recording trained once)."""
+        if self.on_step is not None:
+            self.on_step()
 
     def consume(self, groups: Sequence[ParameterGroup]) -> None:
         """Let go of the buffers of ``groups`` (an optimizer has used them).

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, Self, cast
@@ -55,7 +57,7 @@ from ._state import StateLog, check_state_cell
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
 
-__all__ = ["Mode", "RationalFallbackWarning", "Session", "block_session", "traced_session"]
+__all__ = ["Mode", "RationalFallbackWarning", "Session", "TapeGrowthWarning", "block_session", "traced_session"]
 
 Mode = Literal["eager", "lazy", "traced"]
 """How a session records: ``"eager"`` runs each op at once; ``"lazy"`` records now and computes when a value
@@ -71,6 +73,17 @@ _owner_lock = threading.Lock()
 def _next_owner() -> int:
     with _owner_lock:
         return next(_owner_counter)
+
+
+class TapeGrowthWarning(UserWarning):
+    """A session recorded another training step without a reset (its tape keeps growing)."""
+
+
+def _note_step(ref: weakref.ref[Session], generation: int) -> None:
+    """An optimizer stepped from the gradients of ``ref``'s recording ``generation``."""
+    s = ref()
+    if s is not None:
+        s._stepped = max(s._stepped, generation)
 
 
 class Session:
@@ -187,6 +200,8 @@ class Session:
         self._outline: Outline | None = None  # a lazy session's last recording, replayed while it matches
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
         self._seen: Fingerprint | None = None  # an eager session's last backward's structure
+        self._stepped = -1  # the generation an optimizer last stepped from (a backward after that: no reset)
+        self._warned_growth = False
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
         self.debug_nans = debug_nans
         self._sites: Sites | None = Sites() if debug_nans else None  # debug_nans: where each node was recorded
@@ -687,6 +702,8 @@ class Session:
                     "wrt it (it would read as zeros); record the inputs it is computed from with "
                     "s.input(..., requires_grad=True)"
                 )
+        if self._stepped == self._generation and not self._warned_growth:
+            self._warn_growth()
         old = self._tape
         hooks: dict[NodeId, list[Any]] = {
             i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._grad.hooks.items() if fns
@@ -751,6 +768,7 @@ class Session:
                 got = cast(dict[NodeId, Any], by_leaf).values()
                 check.verify([self.node(h).value for h in got] if create_graph else list(got), "backward")
             grads = Grads(by_leaf, groups, self._owner, self._generation)
+            grads.on_step = functools.partial(_note_step, self._ref, self._generation)
             grads.check = check
             self._state_log.attach(grads)
             for group in grads.groups:
@@ -761,6 +779,19 @@ class Session:
             self._commit(old)  # hooks may have recorded on the tape: none of it happened
             raise
         return grads
+
+    def _warn_growth(self) -> None:
+        """A second training step on one recording: the tape (and the memory it holds) grows with every step."""
+        self._warned_growth = True
+        warnings.warn(
+            f"Session: backward of another training step on the same recording ({len(self._tape)} nodes, growing "
+            "with every step): an optimizer already stepped from this recording's gradients. A session keeps "
+            "every op until it is reset (PyTorch frees its graph after backward), so each step gets slower and "
+            "holds more memory. Reset once per step: wrap the step in `with s:` (it resets on exit), or call "
+            "s.reset() after opt.step(...)",
+            TapeGrowthWarning,
+            stacklevel=3,
+        )
 
     def _nonfinite_check(self, tape: Tape, root: NodeId, seed: Array | None) -> NonFiniteCheck | None:
         """How this backward's non-finite gradients are checked (debug_nans) and explained (also for check_finite).

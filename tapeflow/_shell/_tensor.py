@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import contextvars
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -35,6 +36,7 @@ from numpy.typing import ArrayLike
 
 from .._core import _registry as R
 from .._core import _treescope
+from .._core._node import PENDING
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, NodeId, Shape
 
@@ -220,8 +222,18 @@ class TensorOps:
         return apply("ge", self, o)
 
     def __getitem__(self, idx: object) -> Tensor:
-        """Basic indexing records ``index``; an integer array or Tensor index records ``take`` along axis 0."""
+        """Basic indexing records ``index``; an integer array or Tensor index records ``take`` along axis 0.
+
+        A boolean mask (of the leading axes' shape) selects as NumPy does, ``x[x > 0]``: its value is read (a
+        lazy session computes it) and the positions it picks are taken; under a compiled step, where shapes
+        must not depend on values, it is refused with the shape-keeping alternative, ``tfl.where``.
+        """
         if isinstance(idx, (Tensor, np.ndarray, jax.Array, list)):
+            positions = _mask_positions(getattr(self, "shape"), idx)  # noqa: B009  (Tensor and Param define it)
+            if positions is not None:
+                lead, rest, picked = positions
+                flat = self if len(lead) == 1 else apply("reshape", self, shape=(math.prod(lead), *rest))
+                return apply("take", flat, picked.astype(np.int32), axis=0)
             return apply("take", self, idx, axis=0)
         from .._ops._shape import normalize_index
 
@@ -389,10 +401,34 @@ class Tensor(TensorOps):
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, {state})"
         if s.generation != self._generation:
             return f"Tensor({spec}, id={self.id}, gen={self._generation}, stale)"
-        nd = s.recording[self.id]  # no value shown: a lazy node stays pending
+        nd = s.recording[self.id]
         op = "leaf" if nd.op is None else nd.op
         grad = ", requires_grad" if nd.requires_grad else ""
+        # the value of a small tensor that has one (a lazy node stays pending: repr never computes)
+        v = nd.value
+        if v is not PENDING and v is not None and np.size(v) <= _REPR_SIZE and not isinstance(v, jax.core.Tracer):
+            return f"Tensor({_values_text(v)}, {spec}, op={op}, id={self.id}, gen={self._generation}{grad})"
         return f"Tensor({spec}, op={op}, id={self.id}, gen={self._generation}{grad})"
+
+    def __str__(self) -> str:
+        """The value (read: a lazy session computes it), summarized as NumPy does past 1000 elements, and the op."""
+        s = self._session
+        if s is None or s.owner != self._owner or s.generation != self._generation:
+            return repr(self)
+        v = self.value
+        if isinstance(v, jax.core.Tracer):
+            return repr(self)
+        nd = s.recording[self.id]
+        op = "leaf" if nd.op is None else nd.op
+        grad = ", requires_grad" if nd.requires_grad else ""
+        return f"Tensor({_values_text(v)}, op={op}{grad})"
+
+    def __format__(self, spec: str) -> str:
+        """``f"{loss:.4f}"``: a one-element tensor formats its value as a Python number; ``f"{t}"`` is ``str``."""
+        if not spec:
+            return str(self)
+        x = self._scalar("format")
+        return format(x.item(), spec)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         return _treescope.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
@@ -410,6 +446,43 @@ class Tensor(TensorOps):
     def detach(self) -> Tensor:
         """A new leaf holding this value, cut off from the recording's gradients."""
         return check_handle(self, self._session).detach(self)
+
+
+def _mask_positions(shape: Shape, idx: object) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray] | None:
+    """For a boolean mask ``idx`` of a tensor of ``shape``: ``(mask shape, the other axes, flat positions)``; else None."""
+    dt = getattr(idx, "dtype", None)
+    if dt is None:  # a list
+        dt = np.asarray(idx).dtype
+    if np.dtype(dt) != np.dtype(bool):
+        return None
+    mask = idx.value if isinstance(idx, Tensor) else idx
+    if isinstance(mask, jax.core.Tracer):
+        raise TapeError(
+            "x[mask]: a boolean mask selects a number of elements that depends on its values, which a compiled "
+            "step (train_step, value_and_grad under jax.jit) cannot record; keep the shape with "
+            "tfl.where(mask, x, 0) and, for a mean over the selected elements, divide by tfl.sum(mask)"
+        )
+    m = np.asarray(mask)
+    shape = tuple(shape)
+    if m.ndim == 0 or m.shape != shape[: m.ndim]:
+        raise TapeError(
+            f"x[mask]: a mask of shape {m.shape} does not fit a tensor of shape {shape}: it must have the shape of "
+            f"the tensor's leading axes (e.g. {shape} or {shape[:1]})"
+        )
+    return m.shape, shape[m.ndim :], np.flatnonzero(m)
+
+
+_REPR_SIZE = 16  # repr shows the values of tensors this small (str shows every tensor's)
+
+
+def _values_text(v: object) -> str:
+    """A value as NumPy prints it on one line per row, summarized past 1000 elements, as PyTorch prints tensors."""
+    a = np.asarray(v)
+    if a.ndim == 0:
+        return np.array2string(a, precision=4, floatmode="maxprec")
+    return np.array2string(
+        a, precision=4, separator=", ", threshold=1000, edgeitems=3, floatmode="maxprec", prefix="Tensor("
+    )
 
 
 def check_handle(h: Tensor, s: Session | None) -> Session:

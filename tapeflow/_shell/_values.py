@@ -31,7 +31,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -52,6 +52,7 @@ __all__ = [
     "ValuePolicy",
     "check_fits_without_x64",
     "check_value_kind",
+    "foreign_array",
     "host_operand",
     "read_host_inputs",
     "stored",
@@ -70,6 +71,45 @@ _CONSTANT_CACHE_SIZE = 1024
 
 class RationalFallbackWarning(UserWarning):
     """Values without a native JAX dtype (exact rationals) are computed on the CPU with NumPy."""
+
+
+_NATIVE = (np.ndarray, np.generic, jax.Array, bool, int, float, complex, list, tuple, Fraction)
+
+
+def foreign_array(x: object, where: str) -> object:
+    """``x`` itself, or another framework's array as NumPy data: the one rule for values from outside JAX.
+
+    A CPU PyTorch tensor becomes a NumPy view of its memory (detached; bfloat16
+    kept through its bits), and the session copies it as it copies any NumPy
+    data; anything else with ``__array__`` or ``__dlpack__`` (CuPy, TensorFlow,
+    Arrow, ...) goes through NumPy the same way. A PyTorch tensor on a GPU is an
+    error that says to move it: its memory is not where JAX's CPU arrays live.
+
+    >>> import torch
+    >>> foreign_array(torch.arange(3.0), "input").tolist()
+    [0.0, 1.0, 2.0]
+    """
+    if x is None or isinstance(x, _NATIVE):
+        return x
+    if type(x).__module__.split(".")[0] == "torch":
+        t: Any = x  # a torch.Tensor (torch is optional: not imported to check)
+        device = getattr(t, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise TapeError(
+                f"{where}: a PyTorch tensor on {device} cannot be read here (JAX's arrays are on "
+                f"{jax.devices()[0].platform}); pass tensor.cpu(), or keep the data loader on the CPU"
+            )
+        t = t.detach() if getattr(t, "requires_grad", False) else t
+        if str(getattr(t, "dtype", "")) == "torch.bfloat16":  # NumPy has no bfloat16: its bits, viewed as JAX's
+            import torch
+
+            return t.view(torch.int16).numpy().view(jax.numpy.bfloat16)
+        return t.numpy()
+    if hasattr(x, "__array__"):
+        return np.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return x
 
 
 def check_value_kind(x: object, where: str) -> None:
@@ -137,6 +177,7 @@ def stored(value: ArrayLike) -> Array:
     >>> stored(jnp.array(1.0)).weak_type, stored([1, 2]).dtype
     (False, dtype('int32'))
     """
+    value = foreign_array(value, "Param")
     if isinstance(value, np.ndarray) and value.dtype == R.OBJECT:
         return value.copy()
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.weak_type:
@@ -249,6 +290,7 @@ class ValuePolicy:
         ``host=True`` (a lazy session's input) keeps a NumPy array on the host on
         the default device, as a copy in JAX's dtype (later edits of ``x`` do not count).
         """
+        x = foreign_array(x, where)
         check_value_kind(x, where)
         if isinstance(x, np.ndarray) and x.dtype == R.OBJECT:
             self.warn_rational()
@@ -301,6 +343,8 @@ class ValuePolicy:
             return c
         if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
             return self.prepare(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
+        if foreign_array(o, opname) is not o:  # another framework's array (a PyTorch tensor, ...)
+            return self.prepare(o, opname)
         raise TapeError(
             f"{opname}: operand of type {type(o).__name__} is not supported; "
             "use a Tensor, a Param, a number or an array"

@@ -43,6 +43,7 @@ from .._shell._params import Param, Storage, canonical_indices
 from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
 from .._shell._tensor import Tensor
+from .._shell._values import foreign_array
 from . import _step
 from ._optim import Optimizer
 from ._slots import SlotKey
@@ -514,10 +515,14 @@ class TrainStep:
         opt = self.optimizer
         # a batch of concrete arrays holds no tracer: anything else is looked at leaf by leaf
         if kwargs or operator.countOf(map(type, args), concrete_array_type()) != len(args):
+            foreign = False
             for x in jax.tree_util.tree_leaves((args, kwargs)):  # a loop, not a generator: no frame per call
                 if isinstance(x, jax.core.Tracer):
                     # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
                     raise traced_write("train_step", "its batch")
+                foreign = foreign or foreign_array(x, "train_step") is not x
+            if foreign:  # PyTorch tensors (a DataLoader's batch), ...: as NumPy data, as a session takes them
+                args, kwargs = jax.tree_util.tree_map(lambda v: foreign_array(v, "train_step"), (args, kwargs))
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state

@@ -418,6 +418,8 @@ class Optimizer:
                 if log is not None:
                     log.undo()  # nothing once committed: the step's write-back had completed
                 raise
+        if isinstance(grads, Grads):
+            grads.stepped()
 
     def _run(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
         storages = self.check_layout()

@@ -1,0 +1,154 @@
+"""A PyTorch user's habits (issue 25): what works, and what fails with an error that says what to write instead."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import tapeflow as tfl
+
+torch = pytest.importorskip("torch")
+F32 = jnp.float32
+
+
+def _mlp():
+    return tfl.nn.MLP([3, 4, 2], key=jax.random.key(0))
+
+
+# --------------------------------------------------------------------------- forgetting to reset
+
+
+def test_a_second_training_step_without_reset_warns_once_with_the_fix():
+    m = _mlp()
+    opt = tfl.Optimizer(optax.sgd(0.1), m)
+    s = tfl.Session()
+    x = np.ones((2, 3), np.float32)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            opt.step(s.backward(tfl.mean(m(s.input(x)) ** 2)))
+    growth = [w for w in got if issubclass(w.category, tfl.TapeGrowthWarning)]
+    assert len(growth) == 1, [str(w.message) for w in got]
+    msg = str(growth[0].message)
+    assert "nodes, growing with every step" in msg and "with s:" in msg and "s.reset()" in msg
+    assert growth[0].filename == __file__  # the line of the user's backward
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_reset_per_step_never_warns(lazy):
+    m = _mlp()
+    opt = tfl.Optimizer(optax.sgd(0.1), m)
+    s = tfl.Session(lazy=lazy)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with s:
+                opt.step(s.backward(tfl.mean(m(s.input(np.ones((2, 3), np.float32))) ** 2)))
+        with s:  # two backwards of one recording, no step in between: higher order or two losses, not a loop
+            loss = tfl.mean(m(s.input(np.ones((2, 3), np.float32))) ** 2)
+            s.backward(loss)
+            opt.step(s.backward(loss))
+    assert not [w for w in got if issubclass(w.category, tfl.TapeGrowthWarning)]
+
+
+# --------------------------------------------------------------------------- tensors print like tensors
+
+
+def test_repr_str_and_format_show_the_value():
+    with tfl.Session() as s:
+        x = s.input(jnp.arange(6.0, dtype=F32).reshape(2, 3), requires_grad=True)
+        loss = tfl.mean(x * x)
+        assert repr(loss) == "Tensor(9.1667, float32[], op=mean, id=2, gen=0, requires_grad)"
+        assert str(loss) == "Tensor(9.1667, op=mean, requires_grad)"
+        assert f"{loss:.2f}" == "9.17" and f"{loss}" == str(loss) and f"{loss:>8.3f}" == "   9.167"
+        assert str(x) == "Tensor([[0., 1., 2.],\n        [3., 4., 5.]], op=leaf, requires_grad)"
+        big = s.input(np.ones((40, 40), np.float32))
+        assert repr(big) == "Tensor(float32[40,40], op=leaf, id=3, gen=0)"  # large: no values in repr
+        assert "..." in str(big)  # summarized as NumPy (and PyTorch) print large arrays
+        with pytest.raises(TypeError, match=r"format\(\) needs a tensor with one element, got shape \(2, 3\)"):
+            f"{x:.2f}"
+
+
+def test_repr_of_a_lazy_tensor_computes_nothing_and_str_computes_it():
+    with tfl.Session(lazy=True) as s:
+        y = tfl.sum(s.input(jnp.ones(3, F32)) * 2.0)
+        assert repr(y) == "Tensor(float32[], op=sum, id=3, gen=0)"
+        assert str(y) == "Tensor(6., op=sum)"
+        assert repr(y) == "Tensor(6., float32[], op=sum, id=3, gen=0)"  # computed now
+
+
+# --------------------------------------------------------------------------- inputs from anywhere
+
+
+def test_pytorch_tensors_enter_sessions_params_ops_and_train_step():
+    s = tfl.Session()
+    x = s.input(torch.arange(6.0).reshape(2, 3))
+    assert x.dtype == np.float32 and x.value.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    src = torch.ones(3, requires_grad=True)
+    p = tfl.Param(src)  # detached and copied
+    with torch.no_grad():
+        src.add_(1.0)
+    assert p.value.tolist() == [1.0, 1.0, 1.0]
+    assert float(tfl.sum(x * torch.full((2, 3), 2.0))) == 30.0  # a tensor operand
+    bf = s.input(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    assert bf.dtype == jnp.bfloat16 and bf.value.astype(F32).tolist() == [1.5, -2.0]
+    m = _mlp()
+    step = tfl.train_step(lambda s, x, y: tfl.cross_entropy(m(x), y), tfl.Optimizer(optax.sgd(0.1), m))
+    xb, yb = torch.ones(5, 3), torch.zeros(5, dtype=torch.long)
+    got = float(step(xb, yb))
+    m2 = _mlp()
+    want = float(
+        tfl.train_step(lambda s, x, y: tfl.cross_entropy(m2(x), y), tfl.Optimizer(optax.sgd(0.1), m2))(
+            np.ones((5, 3), np.float32), np.zeros(5, np.int32)
+        )
+    )
+    assert got == want
+
+
+def test_arrays_of_other_libraries_and_tensors_off_the_cpu():
+    class HasArray:
+        def __array__(self, dtype=None, copy=None):
+            return np.full(2, 3.0, np.float32)
+
+    s = tfl.Session()
+    assert s.input(HasArray()).value.tolist() == [3.0, 3.0]
+    with pytest.raises(
+        tfl.TapeError, match=r"Session.input: a PyTorch tensor on meta cannot be read here .* tensor.cpu\(\)"
+    ):
+        s.input(torch.ones(2, device="meta"))
+
+
+# --------------------------------------------------------------------------- boolean masks
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_boolean_masks_select_as_numpy_does_with_gradients(lazy):
+    data = np.array([[-1.0, 5.0, -2.0], [7.0, 0.5, -3.0]])
+    with tfl.Session(lazy=lazy) as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        y = x[x > 0]
+        np.testing.assert_array_equal(np.asarray(y.value), data[data > 0])
+        g = s.backward(tfl.sum(y * y))[x]
+    np.testing.assert_allclose(np.asarray(g), jax.grad(lambda v: jnp.sum(jnp.where(v > 0, v * v, 0.0)))(data))
+    with tfl.Session(lazy=lazy) as s:
+        x = s.input(jnp.asarray(data))
+        np.testing.assert_array_equal(np.asarray(x[np.array([False, True])].value), data[np.array([False, True])])
+        np.testing.assert_array_equal(np.asarray(x[[True, False]].value), data[[True, False]])
+
+
+def test_a_mask_of_the_wrong_shape_and_a_mask_under_a_compiled_step_say_what_to_do():
+    with tfl.Session() as s:
+        x = s.input(jnp.ones((2, 3)))
+        with pytest.raises(tfl.TapeError, match=r"a mask of shape \(3,\) does not fit a tensor of shape \(2, 3\)"):
+            x[np.array([True, False, True])]
+        with pytest.raises(tfl.TapeError, match=r"boolean mask, not integer positions.*tfl.where"):
+            tfl.take(x, np.array([True, False]), axis=0)  # never the old advice to cast it (rows 0 and 1)
+    w = tfl.Param(jnp.ones(3))
+    step = tfl.train_step(lambda s, x: tfl.sum((w * x)[x > 0]), tfl.Optimizer(optax.sgd(0.1), [w]))
+    with pytest.raises(tfl.TapeError, match=r"compiled step .* tfl.where\(mask, x, 0\)"):
+        step(jnp.ones(3))
