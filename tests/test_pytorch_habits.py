@@ -152,3 +152,42 @@ def test_a_mask_of_the_wrong_shape_and_a_mask_under_a_compiled_step_say_what_to_
     step = tfl.train_step(lambda s, x: tfl.sum((w * x)[x > 0]), tfl.Optimizer(optax.sgd(0.1), [w]))
     with pytest.raises(tfl.TapeError, match=r"compiled step .* tfl.where\(mask, x, 0\)"):
         step(jnp.ones(3))
+
+
+# --------------------------------------------------------------------------- smaller traps
+
+
+def test_a_deep_copy_shares_no_storage_and_says_so():
+    import copy
+
+    m = tfl.nn.Sequential(tfl.nn.Linear(2, 3, key=jax.random.key(0)), tfl.nn.Linear(3, 2, key=jax.random.key(1)))
+    c = copy.deepcopy(m)
+    ours = [p for _, p in m.named_parameters()]
+    theirs = [p for _, p in c.named_parameters()]
+    assert {id(p.storage) for p in ours}.isdisjoint(id(p.storage) for p in theirs)
+    assert {p.storage.uid for p in ours}.isdisjoint(p.storage.uid for p in theirs)  # labels tell them apart
+    assert all(f"storage=#{p.storage.uid}" in repr(p) for p in theirs)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+    theirs[0].value = jnp.zeros((2, 3), F32)
+    assert np.asarray(ours[0].value).any()  # writing the copy leaves the original
+
+
+def test_reading_a_value_inside_a_compiled_step_names_the_fix():
+    w = tfl.Param(jnp.ones(2))
+    step = tfl.train_step(lambda s, x: float(tfl.sum(w * x)) * tfl.sum(w * x), tfl.Optimizer(optax.sgd(0.1), [w]))
+    with pytest.raises(tfl.TapeError, match=r"float\(\) of Tensor.*inside a compiled step .*return it from loss_fn"):
+        step(jnp.ones(2))
+
+
+def test_a_layer_without_key_and_a_second_optimizer_say_what_to_write():
+    with pytest.raises(TypeError, match=r"Linear: pass key=jax.random.key\(...\), e.g. tfl.nn.Linear\(..., key="):
+        tfl.nn.Linear(4, 4)
+    w = tfl.Param(jnp.ones(2, F32), name="w")
+    first, second = tfl.Optimizer(optax.sgd(0.1), [w]), tfl.Optimizer(optax.sgd(0.1), [w])
+    with tfl.Session() as s:
+        g = s.backward(tfl.sum(w * w))
+        first.step(g)
+        with pytest.raises(tfl.TapeError, match=r"already released \(an optimizer step used them.*run backward again for it"):
+            second.step(g)
+    assert second.describe() == f"slot 0: Param('w', float32[2], storage=#{w.storage.uid})"

@@ -16,6 +16,7 @@ never make two parameters aliases.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -96,6 +97,24 @@ class Storage:
         self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
         with _storage_lock:
             self.uid = next(_storage_ids)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Storage:
+        """A new storage with this one's current value and hooks, and its own ``uid``.
+
+        A deep copy of a model shares nothing with it: its storages are new
+        objects, and they are labelled as such (``storage=#7``, not the
+        original's ``#0``), since in tapeflow a shared label means a tie.
+        """
+        new = Storage(self._current)
+        memo[id(self)] = new
+        new.hooks = copy.deepcopy(self.hooks, memo)
+        return new
+
+    def __copy__(self) -> Storage:
+        """A new storage holding the same value (a storage is a cell: a copy is another cell, with its own ``uid``)."""
+        new = Storage(self._current)
+        new.hooks = list(self.hooks)
+        return new
 
     # -- cells -----------------------------------------------------------------
     @property

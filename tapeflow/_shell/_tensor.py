@@ -362,13 +362,24 @@ class Tensor(TensorOps):
         return bool(check_handle(self, self._session).recording[self.id].requires_grad)
 
     def numpy(self) -> np.ndarray:
-        return np.asarray(self.value)
+        return self._host("numpy()")
 
     def item(self) -> Any:
         return self.numpy().item()
 
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self.value, dtype=dtype)
+        return self._host("np.asarray()") if dtype is None else self._host("np.asarray()").astype(dtype)
+
+    def _host(self, what: str) -> np.ndarray:
+        """The value on the host; inside a compiled step (a traced value) an error that says where to read it."""
+        v = self.value
+        if isinstance(v, jax.core.Tracer):
+            raise TapeError(
+                f"{what} of {self!r}: inside a compiled step (train_step, value_and_grad under jax.jit) a value "
+                "exists only when the program runs; return it from loss_fn (train_step returns the loss, and "
+                "auxiliary values with has_aux=True) and read it after the step, or print it with jax.debug.print"
+            )
+        return np.asarray(v)
 
     def _scalar(self, what: str) -> np.ndarray:
         if self.shape not in ((), (1,)):
@@ -377,7 +388,7 @@ class Tensor(TensorOps):
                     f"the truth value of a tensor of shape {self.shape} is ambiguous; use .value.any() or .value.all()"
                 )
             raise TypeError(f"{what}() needs a tensor with one element, got shape {self.shape}")
-        return np.asarray(self.value).reshape(())
+        return self._host(f"{what}()").reshape(())
 
     def __float__(self) -> float:
         return float(self._scalar("float"))

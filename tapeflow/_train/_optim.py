@@ -208,8 +208,17 @@ class Optimizer:
             )
         return self._tree(values)
 
-    def describe(self, k: int) -> str:
-        """Slot ``k`` for error messages: the repr of the first registration of its storage."""
+    def describe(self, k: int | None = None) -> str:
+        """Slot ``k`` as error messages name it (the repr of its storage's first registration); every slot without ``k``.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.1), {"w": tfl.Param(jnp.ones(2), name="w")})
+        >>> print(opt.describe())
+        slot 0 ('w'): Param('w', float32[2], storage=#...)
+        """
+        if k is None:
+            named = [f" ({key!r})" if isinstance(key, str) else "" for key in self._slot_keys]
+            return "\n".join(f"slot {i}{name}: {self.describe(i)}" for i, name in enumerate(named))
         st = self._slot_storages[k]
         return repr(next(p for p in self._records if p.storage is st))
 
@@ -337,7 +346,11 @@ class Optimizer:
             elif (k := self._slot_of_storage.get(id(g.storage))) is not None:
                 groups[k] = g
         if grads.released and any(g is not None for g in groups):
-            raise TapeError("Optimizer.step: these gradients were already released; run backward again")
+            raise TapeError(
+                "Optimizer.step: these gradients were already released (an optimizer step used them, or "
+                "release() was called); a Grads updates each storage once: to update the same Params with a "
+                "second optimizer, run backward again for it, or give each optimizer its own Params"
+            )
         return groups
 
     def _refuse_storageless(self, g: ParameterGroup) -> None:

@@ -43,9 +43,13 @@ def _uniform(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLik
     return init.uniform(key, shape, dtype, -bound, bound)
 
 
-def _check_key(key: PRNGKey | None, cls: str) -> None:
+def _check_key(key: PRNGKey | None, cls: str) -> PRNGKey:
     if key is None:
-        raise TypeError(f"{cls}: pass key=jax.random.key(...) (initialization is always explicitly seeded)")
+        raise TypeError(
+            f"{cls}: pass key=jax.random.key(...), e.g. tfl.nn.{cls}(..., key=jax.random.key(0)): initial values "
+            "are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
+        )
+    return key
 
 
 class Linear(Module):
@@ -63,9 +67,15 @@ class Linear(Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        key: PRNGKey | None = None,
+        bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
-        _check_key(key, "Linear")
+        key = _check_key(key, "Linear")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         kw, kb = init.keys(key, 2)
@@ -128,9 +138,15 @@ class Embedding(Module):
     """
 
     def __init__(
-        self, num_embeddings: int, dim: int, *, key: PRNGKey, std: float = 1.0, dtype: DTypeLike = jnp.float32
+        self,
+        num_embeddings: int,
+        dim: int,
+        *,
+        key: PRNGKey | None = None,
+        std: float = 1.0,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
-        _check_key(key, "Embedding")
+        key = _check_key(key, "Embedding")
         self.num_embeddings = int(num_embeddings)
         self.dim = int(dim)
         w = init.normal(key, (self.num_embeddings, self.dim), dtype)
@@ -244,14 +260,14 @@ class Conv2d(Module):
         out_channels: int,
         kernel_size: int | tuple[int, int],
         *,
-        key: PRNGKey,
+        key: PRNGKey | None = None,
         stride: Pair = 1,
         padding: Padding = 0,
         dilation: Pair = 1,
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        _check_key(key, "Conv2d")
+        key = _check_key(key, "Conv2d")
         self.in_channels = int(in_channels)
         self.out_channels = int(out_channels)
         k = int_pair(kernel_size)
@@ -300,12 +316,12 @@ class MultiHeadAttention(Module):
         dim: int,
         num_heads: int,
         *,
-        key: PRNGKey,
+        key: PRNGKey | None = None,
         causal: bool = False,
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        _check_key(key, "MultiHeadAttention")
+        key = _check_key(key, "MultiHeadAttention")
         if dim % num_heads:
             raise ValueError(f"MultiHeadAttention: dim={dim} is not divisible by num_heads={num_heads}")
         self.dim = int(dim)
@@ -398,12 +414,12 @@ class MLP(Module):
         self,
         sizes: Sequence[int],
         *,
-        key: PRNGKey,
+        key: PRNGKey | None = None,
         activation: Callable[[Tensor], Tensor] = F.relu,
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        _check_key(key, "MLP")
+        key = _check_key(key, "MLP")
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2:
             raise ValueError(f"MLP: sizes needs at least an input and an output width, got {sizes}")

@@ -43,10 +43,15 @@ class _Cell(Module):
 
     _gates = 0  # G: how many hidden-size blocks the weights stack
 
-    def __init__(self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool, dtype: DTypeLike) -> None:
+    def __init__(
+        self, input_size: int, hidden_size: int, *, key: PRNGKey | None = None, bias: bool, dtype: DTypeLike
+    ) -> None:
         name = type(self).__name__
         if key is None:
-            raise TypeError(f"{name}: pass key=jax.random.key(...) (initialization is always explicitly seeded)")
+            raise TypeError(
+                f"{name}: pass key=jax.random.key(...), e.g. tfl.nn.{name}(..., key=jax.random.key(0)): initial "
+                "values are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
+            )
         self.input_size = int(input_size)
         self.hidden_size = int(hidden_size)
         if self.input_size < 0 or self.hidden_size < 1:
@@ -139,7 +144,13 @@ class GRUCell(_Cell):
     _gates = 3
 
     def __init__(
-        self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
+        self,
+        input_size: int,
+        hidden_size: int,
+        *,
+        key: PRNGKey | None = None,
+        bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
 
@@ -191,7 +202,13 @@ class LSTMCell(_Cell):
     _gates = 4
 
     def __init__(
-        self, input_size: int, hidden_size: int, *, key: PRNGKey, bias: bool = True, dtype: DTypeLike = jnp.float32
+        self,
+        input_size: int,
+        hidden_size: int,
+        *,
+        key: PRNGKey | None = None,
+        bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
 
