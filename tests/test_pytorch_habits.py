@@ -188,6 +188,49 @@ def test_a_layer_without_key_and_a_second_optimizer_say_what_to_write():
     with tfl.Session() as s:
         g = s.backward(tfl.sum(w * w))
         first.step(g)
-        with pytest.raises(tfl.TapeError, match=r"already released \(an optimizer step used them.*run backward again for it"):
+        with pytest.raises(
+            tfl.TapeError, match=r"already released \(an optimizer step used them.*run backward again for it"
+        ):
             second.step(g)
     assert second.describe() == f"slot 0: Param('w', float32[2], storage=#{w.storage.uid})"
+
+
+# --------------------------------------------------------------------------- PyTorch's names
+
+
+def test_pytorch_named_tensor_methods_match_torch_values_and_gradients():
+    data = np.random.default_rng(0).normal(size=(2, 3, 4))
+    t = torch.tensor(data, requires_grad=True)
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        pairs = [
+            (x.view(6, 4), t.view(6, 4)),
+            (x.flatten(), t.flatten()),
+            (x.flatten(1), t.flatten(1)),
+            (x.unsqueeze(1), t.unsqueeze(1)),
+            (x.unsqueeze(0).squeeze(0), t.unsqueeze(0).squeeze(0)),
+            (x.permute(2, 0, 1), t.permute(2, 0, 1)),
+            (x.sum(dim=1, keepdim=True), t.sum(dim=1, keepdim=True)),
+            (x.mean(dim=(0, 2)), t.mean(dim=(0, 2))),
+            (x.max(dim=2), t.amax(dim=2)),
+            (x.min(dim=0, keepdim=True), t.amin(dim=0, keepdim=True)),
+            (x.var(dim=1, correction=1), t.var(dim=1, correction=1)),
+            (x.std(dim=-1, keepdim=True, correction=0), t.std(dim=-1, keepdim=True, correction=0)),
+            (x.std(), t.std(correction=0)),  # NumPy's ddof=0 unless told otherwise
+            (x.clamp(min=-0.5, max=0.5), t.clamp(min=-0.5, max=0.5)),
+            (x.abs().sqrt().log().exp(), t.abs().sqrt().log().exp()),
+            (x.tanh() + x.sigmoid() + x.relu(), t.tanh() + t.sigmoid() + t.relu()),
+        ]
+        total = None
+        for ours, theirs in pairs:
+            np.testing.assert_allclose(np.asarray(ours.value), theirs.detach().numpy(), rtol=1e-12, atol=1e-12)
+            term = tfl.sum(ours * ours)
+            total = term if total is None else total + term
+        g = s.backward(total)[x]
+        assert x.numel() == 24 and x.dim() == 3 and x.size() == (2, 3, 4) and x.size(1) == 3 and x.size == 24
+        assert x.tolist() == data.tolist()
+        with pytest.raises(TypeError, match="pass axis= or dim="):
+            x.sum(axis=0, dim=0)
+    torch_total = sum((theirs * theirs).sum() for _, theirs in pairs)
+    torch_total.backward()
+    np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-10, atol=1e-10)

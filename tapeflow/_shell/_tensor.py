@@ -151,6 +151,39 @@ def _varargs(args: tuple[int | Sequence[int], ...]) -> tuple[int | Sequence[int]
     return tuple(args)
 
 
+def _axis(axis: R.Axes | None, dim: R.Axes | None) -> R.Axes | None:
+    """NumPy's ``axis=`` or PyTorch's ``dim=`` (not both)."""
+    if dim is None:
+        return axis
+    if axis is not None:
+        raise TypeError("pass axis= or dim= (the same thing), not both")
+    return tuple(dim) if isinstance(dim, list) else dim
+
+
+def _keep(keepdims: bool, keepdim: bool | None) -> bool:
+    """NumPy's ``keepdims=`` or PyTorch's ``keepdim=``."""
+    return bool(keepdims if keepdim is None else keepdim)
+
+
+class Size(int):
+    """A tensor's element count that is also PyTorch's ``size()``: ``x.size`` is NumPy's, ``x.size()`` the shape.
+
+    >>> s = Size(6, (2, 3))
+    >>> s + 1, s(), s(-1)
+    (7, (2, 3), 3)
+    """
+
+    shape: tuple[int, ...]
+
+    def __new__(cls, n: int, shape: tuple[int, ...]) -> Size:
+        self = super().__new__(cls, n)
+        self.shape = shape
+        return self
+
+    def __call__(self, dim: int | None = None) -> tuple[int, ...] | int:
+        return self.shape if dim is None else self.shape[dim]
+
+
 class TensorOps:
     """The operators shared by :class:`Tensor` handles and :class:`~tapeflow.Param` s.
 
@@ -250,14 +283,137 @@ class TensorOps:
     def T(self) -> Tensor:
         return apply("transpose", self)
 
-    def sum(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
-        return apply("sum", self, axis=axis, keepdims=keepdims)
+    # reductions take NumPy's axis= / keepdims= and PyTorch's dim= / keepdim= (one of each pair)
+    def sum(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+    ) -> Tensor:
+        return apply("sum", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
 
-    def mean(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
-        return apply("mean", self, axis=axis, keepdims=keepdims)
+    def mean(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+    ) -> Tensor:
+        return apply("mean", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
 
-    def max(self, axis: R.Axes | None = None, keepdims: bool = False) -> Tensor:
-        return apply("max", self, axis=axis, keepdims=keepdims)
+    def max(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+    ) -> Tensor:
+        return apply("max", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
+
+    def min(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+    ) -> Tensor:
+        """The minimum, as ``-max(-x)`` (the same gradient rule as ``max``: ties share it)."""
+        return apply("neg", apply("max", apply("neg", self), axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim)))
+
+    def var(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        ddof: int = 0,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+        correction: int | None = None,
+    ) -> Tensor:
+        """The variance: NumPy's ``ddof=0`` by default (PyTorch's default is ``correction=1``: pass it to match)."""
+        ax, keep = _axis(axis, dim), _keep(keepdims, keepdim)
+        d = ddof if correction is None else int(correction)
+        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
+        n = math.prod(shape) if ax is None else math.prod(shape[a] for a in ((ax,) if isinstance(ax, int) else ax))
+        centered = apply("sub", self, apply("mean", self, axis=ax, keepdims=True))
+        total = apply("sum", apply("mul", centered, centered), axis=ax, keepdims=keep)
+        return apply("div", total, float(max(n - d, 0)))
+
+    def std(
+        self,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        ddof: int = 0,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+        correction: int | None = None,
+    ) -> Tensor:
+        """The standard deviation, ``sqrt(var(...))``: NumPy's ``ddof=0`` by default (PyTorch: ``correction=1``)."""
+        return apply("sqrt", self.var(axis, keepdims, ddof, dim=dim, keepdim=keepdim, correction=correction))
+
+    # PyTorch's names for the shape ops
+    def view(self, *shape: int | Sequence[int]) -> Tensor:
+        """``reshape``: a tensor has no storage to view, so this records a reshape (``-1`` allowed)."""
+        return apply("reshape", self, shape=_varargs(shape))
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        """Axes ``start_dim`` to ``end_dim`` (inclusive) merged into one, as ``torch.flatten``."""
+        shape: Shape = getattr(self, "shape")  # noqa: B009
+        if not shape:
+            return apply("reshape", self, shape=(1,))
+        lo, hi = start_dim % len(shape), end_dim % len(shape)
+        return apply("reshape", self, shape=(*shape[:lo], math.prod(shape[lo : hi + 1]), *shape[hi + 1 :]))
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        return apply("expand_dims", self, axis=dim)
+
+    def squeeze(self, dim: R.Axes | None = None) -> Tensor:
+        return apply("squeeze", self, axis=dim)
+
+    def permute(self, *dims: int | Sequence[int]) -> Tensor:
+        return apply("permute", self, axes=_varargs(dims))
+
+    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
+        return apply("clamp", self, lo=min, hi=max)
+
+    def exp(self) -> Tensor:
+        return apply("exp", self)
+
+    def log(self) -> Tensor:
+        return apply("log", self)
+
+    def sqrt(self) -> Tensor:
+        return apply("sqrt", self)
+
+    def abs(self) -> Tensor:
+        return apply("abs", self)
+
+    def tanh(self) -> Tensor:
+        return apply("tanh", self)
+
+    def sigmoid(self) -> Tensor:
+        return apply("sigmoid", self)
+
+    def relu(self) -> Tensor:
+        return apply("relu", self)
+
+    def numel(self) -> int:
+        shape: Shape = getattr(self, "shape")  # noqa: B009
+        return math.prod(shape)
+
+    def dim(self) -> int:
+        """The number of axes (PyTorch's name for ``ndim``)."""
+        return len(getattr(self, "shape"))  # noqa: B009
+
+    def tolist(self) -> object:
+        """The value as nested Python lists (read: a lazy session computes it)."""
+        return np.asarray(self).tolist()
 
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
         return apply("reshape", self, shape=_varargs(shape))
@@ -322,8 +478,9 @@ class Tensor(TensorOps):
         return len(self.shape)
 
     @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+    def size(self) -> Size:
+        """The number of elements (NumPy's ``x.size``); called, the shape (PyTorch's ``x.size()``, ``x.size(0)``)."""
+        return Size(math.prod(self.shape), tuple(self.shape))
 
     @property
     def node(self) -> Node:

@@ -31,7 +31,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
