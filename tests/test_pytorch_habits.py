@@ -234,3 +234,30 @@ def test_pytorch_named_tensor_methods_match_torch_values_and_gradients():
     torch_total = sum((theirs * theirs).sum() for _, theirs in pairs)
     torch_total.backward()
     np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- index checks
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_out_of_range_host_indices_are_errors_with_nothing_recorded(lazy):
+    emb = tfl.nn.Embedding(10, 4, key=jax.random.key(0))
+    with tfl.Session(lazy=lazy) as s:
+        assert emb(np.array([0, 9])).shape == (2, 4)
+        n = len(s.tape)
+        with pytest.raises(
+            tfl.TapeError, match=r"take: operand #1 \(indices\) holds 12, out of range \(valid: -10 to 9\)"
+        ):
+            emb(np.array([1, 12]))
+        with pytest.raises(tfl.TapeError, match="Embedding: ids hold -1; an id is a row number from 0 to 9"):
+            emb(np.array([-1, 2]))
+        with pytest.raises(
+            tfl.TapeError, match=r"cross_entropy: operand #1 \(labels\) holds 3, out of range \(valid: 0 to 2\)"
+        ):
+            tfl.cross_entropy(s.input(jnp.ones((2, 3))), np.array([0, 3]))
+        x = s.input(jnp.arange(5.0))
+        with pytest.raises(tfl.TapeError, match="holds -6"):
+            tfl.take(x, [-6], axis=0)
+        assert float(tfl.take(x, [-1], axis=0)[0]) == 4.0  # NumPy's negative positions stay valid for take
+        # the refused ops left nothing: two inputs, then the index leaf, take and the [0] the last line recorded
+        assert len(s.tape) == n + 5

@@ -225,7 +225,13 @@ def _ce_parts(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
 
 
 @op(
-    "cross_entropy", arity=2, attrs={"reduction": "mean"}, nondiff=(1,), check=_cross_entropy_check, precision="float32"
+    "cross_entropy",
+    arity=2,
+    attrs={"reduction": "mean"},
+    nondiff=(1,),
+    check=_cross_entropy_check,
+    precision="float32",
+    index_bounds=lambda specs, **_: [(1, 0, specs[0][0][-1])] if specs[0][0] else [],  # class labels: 0..C-1
 )
 def cross_entropy(logits: Array, labels: Array, reduction: Reduction) -> Array:
     """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).

@@ -399,13 +399,29 @@ def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> 
     return jnp.zeros(x.shape, g.dtype).at[where].add(g), None
 
 
-@op("take", arity=2, attrs={"axis": 0}, nondiff=(1,), check=_take_check, precision="layout")
+def _take_bounds(specs: tuple[Spec, ...], axis: int = 0) -> list[tuple[int, int, int]]:
+    shape = specs[0][0]
+    n = shape[axis % len(shape)] if shape else 0
+    return [(1, -n, n)] if shape else []  # NumPy's range: negative positions count from the end
+
+
+@op(
+    "take",
+    arity=2,
+    attrs={"axis": 0},
+    nondiff=(1,),
+    check=_take_check,
+    precision="layout",
+    index_bounds=_take_bounds,
+)
 def take(x: Array, indices: Array, axis: int) -> Array:
     """Select entries of ``x`` along ``axis`` at integer ``indices`` (any shape), as ``jnp.take``.
 
     The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``.
-    Negative indices count from the end (NumPy style); indices still out of
-    range are clamped to ``[0, n-1]`` (no error: index values are data). The
+    Negative indices count from the end (NumPy style). Indices given as host
+    data (NumPy, a list) are checked when recorded: one out of ``[-n, n)`` is an
+    error there; indices computed on a device are clamped to ``[0, n-1]`` (checking
+    them would wait for the device). The
     VJP adds the cotangent into zeros at the same indices, so repeated indices
     accumulate. ``indices`` gets no gradient.
     """
@@ -415,7 +431,7 @@ def take(x: Array, indices: Array, axis: int) -> Array:
 take.defvjp(_take_vjp)
 
 
-@op("gather", arity=2, nondiff=(1,), check=_take_check, precision="layout")
+@op("gather", arity=2, nondiff=(1,), check=_take_check, precision="layout", index_bounds=_take_bounds)
 def gather(x: Array, indices: Array) -> Array:
     """``x[indices]`` for an integer array ``indices``: rows of ``x`` along axis 0 (``take`` with axis=0).
 

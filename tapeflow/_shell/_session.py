@@ -75,6 +75,31 @@ def _next_owner() -> int:
         return next(_owner_counter)
 
 
+def check_host_indices(
+    d: R.OpDef, specs: tuple[R.Spec, ...], attrs: dict[str, object], host: dict[int, object]
+) -> None:
+    """Raise :class:`TapeError` if a position operand of ``d`` given as host data is out of its axis's range.
+
+    Only host data is looked at (NumPy arrays, lists, other frameworks' CPU
+    arrays): a device array's values would cost a wait for the device.
+    """
+    assert d.index_bounds is not None
+    for k, lo, hi in d.index_bounds(specs, **attrs):
+        if k not in host:
+            continue
+        a = np.asarray(host[k])
+        if a.size == 0 or a.dtype.kind not in "iu":
+            continue
+        least, most = int(a.min()), int(a.max())
+        if least < lo or most >= hi:
+            bad = most if most >= hi else least
+            raise TapeError(
+                f"{d.name}: operand #{k} ({d.operands[k] if k < len(d.operands) else 'indices'}) holds {bad}, out of "
+                f"range (valid: {lo} to {hi - 1}); nothing was recorded. Check the ids or labels against the "
+                "table's size (an Embedding's num_embeddings, the number of classes)"
+            )
+
+
 class TapeGrowthWarning(UserWarning):
     """A session recorded another training step without a reset (its tape keeps growing)."""
 
@@ -536,6 +561,7 @@ class Session:
                     return Tensor(self, owner, gen, n - 1, out.shape, out.dtype)
         plan: list[NodeId | Param | Array] = []
         specs: list[R.Spec] = []
+        host: dict[int, object] | None = None  # operands given as host data, by position
         ref_dtype: np.dtype | None = None  # dtype given to Python-number operands (set on first need)
         for o in operands:
             if type(o) is Tensor:
@@ -551,6 +577,9 @@ class Session:
                             ref_dtype = x.dtype
                             break
                 v = self._values.constant(o, ref_dtype, opname)
+                if not isinstance(o, (jax.Array, int, float)):  # host data: an index it holds can be checked now
+                    host = host or {}
+                    host[len(plan)] = o
                 plan.append(v)
                 specs.append((tuple(v.shape), np.dtype(v.dtype)))
         casts = self.precision.targets(opname, specs) if self.precision is not None else None
@@ -559,6 +588,8 @@ class Session:
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
+        if host is not None and entry.opdef.index_bounds is not None:
+            check_host_indices(entry.opdef, tuple(specs), dict(entry.attrs), host)
         lazy = self._mode == "lazy" and not self._eagerly
         if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
             lazy = False

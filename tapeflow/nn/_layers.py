@@ -19,6 +19,7 @@ from numpy.typing import ArrayLike
 
 from .._core._checks import int_pair, is_int
 from .._core._registry import Padding, Pair
+from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, PRNGKey
 from .._shell import _functions as F
 from .._shell._params import Param, tie
@@ -157,6 +158,11 @@ class Embedding(Module):
         self.weight = Param(w, name="weight")
 
     def forward(self, ids: Operand) -> Tensor:
+        if isinstance(ids, (np.ndarray, list)) and np.size(ids) and int(np.min(ids)) < 0:  # host ids: no device wait
+            raise TapeError(
+                f"Embedding: ids hold {int(np.min(ids))}; an id is a row number from 0 to {self.num_embeddings - 1} "
+                "(negative ids are errors, as in PyTorch); nothing was recorded"
+            )
         return F.take(self.weight, ids, axis=0)
 
     def attend(self, h: Operand) -> Tensor:
