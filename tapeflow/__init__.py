@@ -7,6 +7,8 @@
 4.0
 """
 
+import sys as _sys
+
 from . import nn  # noqa: F401
 from ._core import _compile_cache, _compile_log
 from ._core._backward import backward, backward_graph
@@ -21,6 +23,7 @@ from ._core._result import Err, Ok, Result, TapeError
 from ._core._tape import Node, Tape, keep_tape_on_error, leaf, record
 from ._core._tiered import set_tiered_compilation
 from ._serialization._checkpoint import CheckpointError, restore, save
+from ._shell import _numpy as numpy
 from ._shell._commit import StateWriteError
 from ._shell._extend import defop, lift
 from ._shell._functions import (  # every public op, generated from the registry, plus dropout
@@ -174,6 +177,7 @@ __all__ = [
     "ne",
     "neg",
     "nonfinite_origin",
+    "numpy",
     "ops",
     "param_values",
     "permute",
@@ -208,4 +212,5 @@ __all__ = [
 ]
 
 _compile_cache.setup_from_environment()  # the persistent compilation cache (TAPEFLOW_CACHE_DIR); starts no backend
+_sys.modules.setdefault(__name__ + ".numpy", numpy)  # `import tapeflow.numpy` / `from tapeflow.numpy import cumsum`
 _compile_log.install()  # every compile explained (TAPEFLOW_EXPLAIN_COMPILES); starts no backend

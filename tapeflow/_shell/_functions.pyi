@@ -519,8 +519,10 @@ def take(x: Operand, indices: Operand, axis: int = 0) -> Tensor:
     ``indices``. Records the ``take`` op.
 
     The result has shape ``x.shape[:axis] + indices.shape + x.shape[axis+1:]``.
-    Negative indices count from the end (NumPy style); indices still out of
-    range are clamped to ``[0, n-1]`` (no error: index values are data). The
+    Negative indices count from the end (NumPy style). Indices given as host
+    data (NumPy, a list) are checked when recorded: one out of ``[-n, n)`` is an
+    error there; indices computed on a device are clamped to ``[0, n-1]`` (checking
+    them would wait for the device). The
     VJP adds the cotangent into zeros at the same indices, so repeated indices
     accumulate. ``indices`` gets no gradient.
     """
