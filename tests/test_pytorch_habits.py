@@ -261,3 +261,23 @@ def test_out_of_range_host_indices_are_errors_with_nothing_recorded(lazy):
         assert float(tfl.take(x, [-1], axis=0)[0]) == 4.0  # NumPy's negative positions stay valid for take
         # the refused ops left nothing: two inputs, then the index leaf, take and the [0] the last line recorded
         assert len(s.tape) == n + 5
+
+
+def test_layer_norm_without_bias_matches_torch():
+    data = np.random.default_rng(2).normal(size=(3, 5))
+    ln = tfl.nn.LayerNorm(5, bias=False, dtype=jnp.float64)
+    assert ln.bias is None and [n for n, _ in ln.named_parameters()] == ["weight"]
+    ln.weight.value = jnp.linspace(0.5, 1.5, 5)
+    ref = torch.nn.LayerNorm(5, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+    t = torch.tensor(data, requires_grad=True)
+    out_ref = ref(t)
+    (out_ref * out_ref).sum().backward()
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        out = ln(x)
+        g = s.backward(tfl.sum(out * out))
+        np.testing.assert_allclose(np.asarray(out.value), out_ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(g[x]), t.grad.numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(g[ln.weight]), ref.weight.grad.numpy(), rtol=1e-10, atol=1e-12)

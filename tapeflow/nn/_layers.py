@@ -195,15 +195,15 @@ class LayerNorm(Module):
         eps: float = 1e-5,
         *,
         elementwise_affine: bool = True,
+        bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
         self.shape = (int(cast(int, shape)),) if is_int(shape) else tuple(int(d) for d in cast(Sequence[int], shape))
         self.eps = float(eps)
-        if elementwise_affine:
-            self.weight: Param | None = Param(jnp.ones(self.shape, dtype), name="weight")
-            self.bias: Param | None = Param(jnp.zeros(self.shape, dtype), name="bias")
-        else:
-            self.weight = self.bias = None
+        # host ones and zeros: jnp.ones would compile a program per shape
+        self.weight: Param | None = Param(np.ones(self.shape, dtype), name="weight") if elementwise_affine else None
+        has_bias = elementwise_affine and bias  # bias=False: PyTorch's LayerNorm(..., bias=False), a weight only
+        self.bias: Param | None = Param(np.zeros(self.shape, dtype), name="bias") if has_bias else None
 
     def forward(self, x: Operand) -> Tensor:
         axis = tuple(range(-len(self.shape), 0))
