@@ -722,7 +722,7 @@ FAILURES: list[tuple[str, str, list[np.ndarray], dict[str, Any], str]] = [
     ("index-two-ellipsis", "index", [f64(2)], {"index": (Ellipsis, Ellipsis)}, "single Ellipsis"),
     ("take-float-idx", "take", [f64(3), f64(2)], {}, "integer dtype"),
     ("take-axis", "take", [f64(3), i32(2)], {"axis": 1}, "out of range"),
-    ("gather-bool-idx", "gather", [f64(3), b_(2)], {}, "integer dtype"),
+    ("gather-bool-idx", "gather", [f64(3), b_(2)], {}, "boolean mask, not integer positions"),
     ("gather-scalar", "gather", [f64(), i32(2)], {}, "rank >= 1"),
     ("scatter-shape", "scatter_add", [f64(5, 3), i32(2), f64(3, 3)], {}, "(2, 3)"),
     ("scatter-dtype", "scatter_add", [f64(5, 3), i32(2), f32(2, 3)], {}, "dtypes differ"),
