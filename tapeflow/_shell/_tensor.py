@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextvars
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
@@ -165,6 +165,52 @@ def _keep(keepdims: bool, keepdim: bool | None) -> bool:
     return bool(keepdims if keepdim is None else keepdim)
 
 
+def _reduction(opname: str, doc: str, *, negate: bool = False) -> Callable[..., Tensor]:
+    """A reduction method recording ``opname`` (of ``-x``, negated back, for ``negate``)."""
+
+    def method(
+        self: TensorOps,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+    ) -> Tensor:
+        x: Operand = apply("neg", self) if negate else self
+        out = apply(opname, x, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
+        return apply("neg", out) if negate else out
+
+    method.__doc__ = doc
+    return method
+
+
+def _spread(*, root: bool) -> Callable[..., Tensor]:
+    """``var`` (or ``std`` with ``root``): NumPy's ``ddof=0`` by default, PyTorch's ``correction=`` taken too."""
+
+    def method(
+        self: TensorOps,
+        axis: R.Axes | None = None,
+        keepdims: bool = False,
+        ddof: int = 0,
+        *,
+        dim: R.Axes | None = None,
+        keepdim: bool | None = None,
+        correction: int | None = None,
+    ) -> Tensor:
+        ax, keep = _axis(axis, dim), _keep(keepdims, keepdim)
+        d = ddof if correction is None else int(correction)
+        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
+        n = math.prod(shape) if ax is None else math.prod(shape[a] for a in ((ax,) if isinstance(ax, int) else ax))
+        centered = apply("sub", self, apply("mean", self, axis=ax, keepdims=True))
+        total = apply("sum", apply("mul", centered, centered), axis=ax, keepdims=keep)
+        var = apply("div", total, float(max(n - d, 0)))
+        return apply("sqrt", var) if root else var
+
+    what = "standard deviation (the square root of the variance)" if root else "variance"
+    method.__doc__ = f"The {what}: NumPy's ``ddof=0`` by default (PyTorch's default is ``correction=1``: pass it)."
+    return method
+
+
 class Size(int):
     """A tensor's element count that is also PyTorch's ``size()``: ``x.size`` is NumPy's, ``x.size()`` the shape.
 
@@ -284,78 +330,14 @@ class TensorOps:
         return apply("transpose", self)
 
     # reductions take NumPy's axis= / keepdims= and PyTorch's dim= / keepdim= (one of each pair)
-    def sum(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-    ) -> Tensor:
-        return apply("sum", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
-
-    def mean(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-    ) -> Tensor:
-        return apply("mean", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
-
-    def max(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-    ) -> Tensor:
-        return apply("max", self, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
-
-    def min(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-    ) -> Tensor:
-        """The minimum, as ``-max(-x)`` (the same gradient rule as ``max``: ties share it)."""
-        return apply("neg", apply("max", apply("neg", self), axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim)))
-
-    def var(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        ddof: int = 0,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-        correction: int | None = None,
-    ) -> Tensor:
-        """The variance: NumPy's ``ddof=0`` by default (PyTorch's default is ``correction=1``: pass it to match)."""
-        ax, keep = _axis(axis, dim), _keep(keepdims, keepdim)
-        d = ddof if correction is None else int(correction)
-        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
-        n = math.prod(shape) if ax is None else math.prod(shape[a] for a in ((ax,) if isinstance(ax, int) else ax))
-        centered = apply("sub", self, apply("mean", self, axis=ax, keepdims=True))
-        total = apply("sum", apply("mul", centered, centered), axis=ax, keepdims=keep)
-        return apply("div", total, float(max(n - d, 0)))
-
-    def std(
-        self,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        ddof: int = 0,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-        correction: int | None = None,
-    ) -> Tensor:
-        """The standard deviation, ``sqrt(var(...))``: NumPy's ``ddof=0`` by default (PyTorch: ``correction=1``)."""
-        return apply("sqrt", self.var(axis, keepdims, ddof, dim=dim, keepdim=keepdim, correction=correction))
+    sum = _reduction("sum", "The sum over ``axis`` (or ``dim``), as ``jnp.sum``.")
+    mean = _reduction("mean", "The mean over ``axis`` (or ``dim``), as ``jnp.mean``.")
+    max = _reduction("max", "The maximum over ``axis`` (or ``dim``): the value, as ``jnp.max`` (PyTorch's ``amax``).")
+    min = _reduction(
+        "max", "The minimum, as ``-max(-x)`` (the same gradient rule as ``max``: ties share it).", negate=True
+    )
+    var = _spread(root=False)
+    std = _spread(root=True)
 
     # PyTorch's names for the shape ops
     def view(self, *shape: int | Sequence[int]) -> Tensor:

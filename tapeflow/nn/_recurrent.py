@@ -44,7 +44,13 @@ class _Cell(Module):
     _gates = 0  # G: how many hidden-size blocks the weights stack
 
     def __init__(
-        self, input_size: int, hidden_size: int, *, key: PRNGKey | None = None, bias: bool, dtype: DTypeLike
+        self,
+        input_size: int,
+        hidden_size: int,
+        *,
+        key: PRNGKey | None = None,
+        bias: bool = True,
+        dtype: DTypeLike = jnp.float32,
     ) -> None:
         name = type(self).__name__
         if key is None:
@@ -143,17 +149,6 @@ class GRUCell(_Cell):
 
     _gates = 3
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        *,
-        key: PRNGKey | None = None,
-        bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
-    ) -> None:
-        super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
-
     def forward(self, x: Operand, state: Operand | None = None) -> Tensor:
         x_shape, dtype = self._check_input(x)
         h = self._state("state", state, x_shape, self._zeros_dtype(dtype))
@@ -200,17 +195,6 @@ class LSTMCell(_Cell):
     """
 
     _gates = 4
-
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        *,
-        key: PRNGKey | None = None,
-        bias: bool = True,
-        dtype: DTypeLike = jnp.float32,
-    ) -> None:
-        super().__init__(input_size, hidden_size, key=key, bias=bias, dtype=dtype)
 
     def forward(self, x: Operand, state: tuple[Operand, Operand] | None = None) -> tuple[Tensor, Tensor]:
         x_shape, dtype = self._check_input(x)
