@@ -43,7 +43,7 @@ from jax.extend.random import threefry2x32_p
 from .._core import _compile_log
 from .._core._typing import Array, DTypeLike, PRNGKey
 
-__all__ = ["CHUNK", "keys", "normal", "split", "uniform"]
+__all__ = ["CHUNK", "keys", "normal", "require_key", "split", "uniform"]
 
 CHUNK = 1 << 16
 """Values one kernel call draws: a parameter of ``n`` values takes ``ceil(n / CHUNK)`` calls."""
@@ -82,6 +82,16 @@ _uniform_chunk.__name__ = "init_uniform_chunk"
 _normal_chunk.__name__ = "init_normal_chunk"
 _UNIFORM = jax.jit(_uniform_chunk)
 _NORMAL = jax.jit(_normal_chunk)
+
+
+def require_key(key: PRNGKey | None, layer: str) -> PRNGKey:
+    """``key``, or the error a layer built without one raises (initial values are always explicitly seeded)."""
+    if key is None:
+        raise TypeError(
+            f"{layer}: pass key=jax.random.key(...), e.g. tfl.nn.{layer}(..., key=jax.random.key(0)): initial values "
+            "are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
+        )
+    return key
 
 
 def _key_data(key: PRNGKey) -> np.ndarray | None:

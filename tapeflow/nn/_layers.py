@@ -44,15 +44,6 @@ def _uniform(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLik
     return init.uniform(key, shape, dtype, -bound, bound)
 
 
-def _check_key(key: PRNGKey | None, cls: str) -> PRNGKey:
-    if key is None:
-        raise TypeError(
-            f"{cls}: pass key=jax.random.key(...), e.g. tfl.nn.{cls}(..., key=jax.random.key(0)): initial values "
-            "are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
-        )
-    return key
-
-
 class Linear(Module):
     """``y = x @ weight + bias`` with ``weight`` of shape ``(in_features, out_features)``.
 
@@ -76,7 +67,7 @@ class Linear(Module):
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        key = _check_key(key, "Linear")
+        key = init.require_key(key, "Linear")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         kw, kb = init.keys(key, 2)
@@ -147,7 +138,7 @@ class Embedding(Module):
         std: float = 1.0,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        key = _check_key(key, "Embedding")
+        key = init.require_key(key, "Embedding")
         self.num_embeddings = int(num_embeddings)
         self.dim = int(dim)
         w = init.normal(key, (self.num_embeddings, self.dim), dtype)
@@ -273,7 +264,7 @@ class Conv2d(Module):
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        key = _check_key(key, "Conv2d")
+        key = init.require_key(key, "Conv2d")
         self.in_channels = int(in_channels)
         self.out_channels = int(out_channels)
         k = int_pair(kernel_size)
@@ -327,7 +318,7 @@ class MultiHeadAttention(Module):
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        key = _check_key(key, "MultiHeadAttention")
+        key = init.require_key(key, "MultiHeadAttention")
         if dim % num_heads:
             raise ValueError(f"MultiHeadAttention: dim={dim} is not divisible by num_heads={num_heads}")
         self.dim = int(dim)
@@ -425,7 +416,7 @@ class MLP(Module):
         bias: bool = True,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
-        key = _check_key(key, "MLP")
+        key = init.require_key(key, "MLP")
         sizes = [int(s) for s in sizes]
         if len(sizes) < 2:
             raise ValueError(f"MLP: sizes needs at least an input and an output width, got {sizes}")

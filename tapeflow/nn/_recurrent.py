@@ -53,11 +53,7 @@ class _Cell(Module):
         dtype: DTypeLike = jnp.float32,
     ) -> None:
         name = type(self).__name__
-        if key is None:
-            raise TypeError(
-                f"{name}: pass key=jax.random.key(...), e.g. tfl.nn.{name}(..., key=jax.random.key(0)): initial "
-                "values are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
-            )
+        key = init.require_key(key, name)
         self.input_size = int(input_size)
         self.hidden_size = int(hidden_size)
         if self.input_size < 0 or self.hidden_size < 1:
