@@ -281,3 +281,28 @@ def test_layer_norm_without_bias_matches_torch():
         np.testing.assert_allclose(np.asarray(out.value), out_ref.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(np.asarray(g[x]), t.grad.numpy(), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(np.asarray(g[ln.weight]), ref.weight.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_ignore_index_and_label_smoothing_match_torch(reduction, smoothing):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(6, 5))
+    labels = np.array([0, 4, -100, 2, -100, 1])
+    t = torch.tensor(logits, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(
+        t, torch.tensor(labels), reduction=reduction, ignore_index=-100, label_smoothing=smoothing
+    )
+    cot = rng.normal(size=ref.shape)
+    (ref * torch.tensor(cot)).sum().backward()
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(logits), requires_grad=True)
+        loss = tfl.cross_entropy(x, labels, reduction=reduction, label_smoothing=smoothing)  # ignore_index=-100
+        g = s.backward(tfl.sum(loss * jnp.asarray(cot)))[x]
+        np.testing.assert_allclose(np.asarray(loss.value), ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-10, atol=1e-12)
+    with tfl.Session() as s:
+        y = tfl.cross_entropy(s.input(jnp.asarray(logits)), np.array([0, 4, 7, 2, 1, 1]), ignore_index=7)
+        assert np.isfinite(float(y))  # another ignore_index: its value passes the host index check
+        with pytest.raises(tfl.TapeError, match="label_smoothing=1.5 must be a number in"):
+            tfl.cross_entropy(s.input(jnp.asarray(logits)), labels, label_smoothing=1.5)

@@ -160,8 +160,9 @@ class OpDef:
     tangent: bool = True
     user: bool = False
     source: Callable[..., object] | None = None
-    # (specs, attrs) -> [(k, lo, hi)]: operand k holds positions in [lo, hi) (checked when given as host data)
-    index_bounds: Callable[..., Sequence[tuple[int, int, int]]] | None = None
+    # (specs, attrs) -> [(k, lo, hi, skip)]: operand k holds positions in [lo, hi), or the value skip (None: no
+    # such value; cross_entropy's ignore_index), checked when given as host data
+    index_bounds: Callable[..., Sequence[tuple[int, int, int, int | None]]] | None = None
 
     @property
     def variadic(self) -> bool:
@@ -199,7 +200,7 @@ def op(
     precision: OpPrecision = "compute",
     tangent: bool = True,
     user: Callable[..., object] | None = None,
-    index_bounds: Callable[..., Sequence[tuple[int, int, int]]] | None = None,
+    index_bounds: Callable[..., Sequence[tuple[int, int, int, int | None]]] | None = None,
 ) -> Callable[[Callable[..., Array]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
@@ -214,7 +215,8 @@ def op(
     number given for one reaches the kernels traced (:func:`kernel_key`), so the
     forward and VJP must not branch on it in Python. ``precision`` and ``tangent``
     are the :class:`OpDef` fields. ``index_bounds(specs, **attrs)`` names the operands that
-    are positions into an axis, with their range ``[lo, hi)``: a session checks such an
+    are positions into an axis, with their range ``[lo, hi)`` (and one value allowed
+    besides, or None): a session checks such an
     operand given as host data (NumPy, a list) before it records, so an index out
     of range is an error there instead of a clamped row. ``user`` (the user's function) marks a user registration
     (:func:`tapeflow.lift`, :func:`tapeflow.defop`), which :func:`unregister` may remove again.

@@ -199,7 +199,9 @@ def _layer_norm_vjp(
 # --------------------------------------------------------------------------- losses
 
 
-def _cross_entropy_check(specs: tuple[Spec, ...], reduction: object) -> str | None:
+def _cross_entropy_check(
+    specs: tuple[Spec, ...], reduction: object, ignore_index: object = -100, label_smoothing: object = 0.0
+) -> str | None:
     if err := float_check(specs, (0,)):
         return err
     (ls, _), (ys, ydt) = specs
@@ -212,47 +214,81 @@ def _cross_entropy_check(specs: tuple[Spec, ...], reduction: object) -> str | No
         )
     if ys != ls[:-1]:
         return f"labels have shape {ys} but must have shape logits.shape[:-1] = {ls[:-1]} (one class index per row)"
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        return f"attribute ignore_index={ignore_index!r} must be an int (a label value whose rows count for nothing)"
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0 <= label_smoothing <= 1
+    ):
+        return f"attribute label_smoothing={label_smoothing!r} must be a number in [0, 1]"
     return _reduction_error(reduction)
 
 
-def _ce_parts(logits: Array, labels: Array) -> tuple[Array, Array, Array]:
-    """Log-softmax, one-hot labels, and whether each label lies in ``[0, C)``."""
+def _ce_parts(logits: Array, labels: Array, ignore_index: int, smoothing: float) -> tuple[Array, Array, Array, Array]:
+    """Log-softmax, the target distribution, rows that count (label not ``ignore_index``), rows with a valid label."""
     c = logits.shape[-1]
     logp = logits - logsumexp.fwd(logits, axis=-1, keepdims=True)
     onehot = (labels[..., None] == jnp.arange(c)).astype(logits.dtype)
-    valid = (labels >= 0) & (labels < c)
-    return logp, onehot, valid
+    target = onehot if smoothing == 0 else (1 - smoothing) * onehot + smoothing / c  # PyTorch's label smoothing
+    keep = labels != ignore_index
+    valid = ((labels >= 0) & (labels < c)) | ~keep
+    return logp, target, keep, valid
+
+
+def _ce_count(keep: Array, dtype: np.dtype) -> Array:
+    """What a "mean" divides by: the rows that count (PyTorch's mean over the rows not ignored)."""
+    return jnp.sum(keep).astype(dtype)
 
 
 @op(
     "cross_entropy",
     arity=2,
-    attrs={"reduction": "mean"},
+    attrs={"reduction": "mean", "ignore_index": -100, "label_smoothing": 0.0},
     nondiff=(1,),
     check=_cross_entropy_check,
     precision="float32",
-    index_bounds=lambda specs, **_: [(1, 0, specs[0][0][-1])] if specs[0][0] else [],  # class labels: 0..C-1
+    index_bounds=lambda specs, ignore_index=-100, **_: [(1, 0, specs[0][0][-1], ignore_index)] if specs[0][0] else [],
 )
-def cross_entropy(logits: Array, labels: Array, reduction: Reduction) -> Array:
-    """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).
+def cross_entropy(
+    logits: Array, labels: Array, reduction: Reduction, ignore_index: int = -100, label_smoothing: float = 0.0
+) -> Array:
+    """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...), as PyTorch's.
 
-    Per row ``logsumexp(logits) - logits[label]``, reduced by ``reduction``
-    ("mean" over all rows, "sum", or "none" for shape ``labels.shape``). A label
-    outside ``[0, C)`` gives a NaN loss (and NaN gradient) for its row, so bad
-    labels never pass silently. ``labels`` get no gradient.
+    Per row ``-sum(q * log_softmax(logits))`` with ``q`` the one-hot label
+    (with ``label_smoothing`` e: ``(1 - e) * one_hot + e / C``), reduced by
+    ``reduction`` ("mean" over the rows that count, "sum", or "none" for shape
+    ``labels.shape``). Rows whose label is ``ignore_index`` (default -100)
+    count for nothing: loss and gradient 0, left out of the mean. A label
+    outside ``[0, C)`` that is not ``ignore_index`` gives a NaN loss (and NaN
+    gradient) for its row, so bad labels never pass silently. ``labels`` get
+    no gradient.
     """
-    logp, onehot, valid = _ce_parts(logits, labels)
-    loss = -jnp.sum(logp * onehot, axis=-1)
+    logp, target, keep, valid = _ce_parts(logits, labels, ignore_index, float(label_smoothing))
+    loss = jnp.where(keep, -jnp.sum(logp * target, axis=-1), jnp.zeros((), logits.dtype))
     loss = jnp.where(valid, loss, jnp.asarray(jnp.nan, logits.dtype))
+    if reduction == "mean":
+        return jnp.sum(loss) / _ce_count(keep, loss.dtype)
     return _reduce(loss, reduction)
 
 
 @cross_entropy.defvjp
-def _cross_entropy_vjp(g: Array, out: Array, logits: Array, labels: Array, reduction: str) -> tuple[Array, None]:
-    logp, onehot, valid = _ce_parts(logits, labels)
-    gl = _unreduce(g, labels.shape, reduction)
+def _cross_entropy_vjp(
+    g: Array,
+    out: Array,
+    logits: Array,
+    labels: Array,
+    reduction: str,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> tuple[Array, None]:
+    logp, target, keep, valid = _ce_parts(logits, labels, ignore_index, float(label_smoothing))
+    gl = g if reduction == "none" else jnp.broadcast_to(g, labels.shape)
+    if reduction == "mean":
+        gl = gl / _ce_count(keep, logits.dtype)
+    gl = jnp.where(keep, gl, jnp.zeros((), logits.dtype))
     gl = jnp.where(valid, gl, jnp.asarray(jnp.nan, logits.dtype))
-    return gl[..., None] * (jnp.exp(logp) - onehot), None
+    return gl[..., None] * (jnp.exp(logp) - target), None
 
 
 def _mse_check(specs: tuple[Spec, ...], reduction: object) -> str | None:

@@ -399,10 +399,10 @@ def _take_vjp(g: Array, out: Array, x: Array, indices: Array, axis: int = 0) -> 
     return jnp.zeros(x.shape, g.dtype).at[where].add(g), None
 
 
-def _take_bounds(specs: tuple[Spec, ...], axis: int = 0) -> list[tuple[int, int, int]]:
+def _take_bounds(specs: tuple[Spec, ...], axis: int = 0) -> list[tuple[int, int, int, int | None]]:
     shape = specs[0][0]
     n = shape[axis % len(shape)] if shape else 0
-    return [(1, -n, n)] if shape else []  # NumPy's range: negative positions count from the end
+    return [(1, -n, n, None)] if shape else []  # NumPy's range: negative positions count from the end
 
 
 @op(

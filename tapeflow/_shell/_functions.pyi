@@ -181,16 +181,26 @@ def cos(x: Operand) -> Tensor:
     """
 
 
-def cross_entropy(logits: Operand, labels: Operand, reduction: Reduction = "mean") -> Tensor:
-    """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...).
+def cross_entropy(
+    logits: Operand,
+    labels: Operand,
+    reduction: Reduction = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """Softmax cross-entropy of ``logits`` (..., C) against integer ``labels`` (...), as PyTorch's.
 
     Operands ``logits``, ``labels``: Tensors, Params, numbers or arrays. No gradient flows
     to ``labels``. Records the ``cross_entropy`` op.
 
-    Per row ``logsumexp(logits) - logits[label]``, reduced by ``reduction``
-    ("mean" over all rows, "sum", or "none" for shape ``labels.shape``). A label
-    outside ``[0, C)`` gives a NaN loss (and NaN gradient) for its row, so bad
-    labels never pass silently. ``labels`` get no gradient.
+    Per row ``-sum(q * log_softmax(logits))`` with ``q`` the one-hot label
+    (with ``label_smoothing`` e: ``(1 - e) * one_hot + e / C``), reduced by
+    ``reduction`` ("mean" over the rows that count, "sum", or "none" for shape
+    ``labels.shape``). Rows whose label is ``ignore_index`` (default -100)
+    count for nothing: loss and gradient 0, left out of the mean. A label
+    outside ``[0, C)`` that is not ``ignore_index`` gives a NaN loss (and NaN
+    gradient) for its row, so bad labels never pass silently. ``labels`` get
+    no gradient.
     """
 
 

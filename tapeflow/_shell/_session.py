@@ -84,10 +84,12 @@ def check_host_indices(
     arrays): a device array's values would cost a wait for the device.
     """
     assert d.index_bounds is not None
-    for k, lo, hi in d.index_bounds(specs, **attrs):
+    for k, lo, hi, skip in d.index_bounds(specs, **attrs):
         if k not in host:
             continue
         a = np.asarray(host[k])
+        if skip is not None and a.dtype.kind in "iu":
+            a = a[a != skip]  # e.g. cross_entropy's ignore_index: rows that count for nothing
         if a.size == 0 or a.dtype.kind not in "iu":
             continue
         least, most = int(a.min()), int(a.max())
