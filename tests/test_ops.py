@@ -950,15 +950,21 @@ def test_op_function_signature_matches_opdef(name: str) -> None:
     assert (f.__name__, f.__qualname__, f.__module__) == (name, name, "tapeflow")
     assert f.__doc__ and f.__doc__.startswith(d.doc) and f"``{name}``" in f.__doc__
     params = list(inspect.signature(f).parameters.values())
-    assert [p.name for p in params] == [*d.operands, *d.defaults]
+    # then PyTorch's dim= / keepdim=, keyword only, for an axis / keepdims attribute that has a default
+    torch_names = [
+        t for n, t in (("axis", "dim"), ("keepdims", "keepdim")) if d.defaults.get(n, REQUIRED) is not REQUIRED
+    ]
+    assert [p.name for p in params] == [*d.operands, *d.defaults, *torch_names]
     empty = inspect.Parameter.empty
     for p in params[: len(d.operands)]:
         assert p.default is (None if p.name in d.optional_operands else empty), p
         assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    for p in params[len(d.operands) :]:
+    for p in params[len(d.operands) : len(params) - len(torch_names)]:
         want = d.defaults[p.name]
         assert p.default is empty if want is REQUIRED else p.default == want, p
         assert p.annotation == d.attr_types[p.name]
+    for p in params[len(params) - len(torch_names) :]:
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None, p
 
 
 @pytest.mark.parametrize(("name", "case"), PUBLIC_CASES, ids=_ids(PUBLIC_CASES))

@@ -6,7 +6,9 @@ from its :class:`~tapeflow.OpDef` (the op list exists once, in the registry):
 * parameters: the operands, named as in the op's forward (a trailing optional
   operand defaults to None and is left out of the call when None; a variadic
   op, such as ``concat``, takes one sequence), then the attributes in
-  declaration order with their defaults (a required attribute has none);
+  declaration order with their defaults (a required attribute has none), then
+  PyTorch's ``dim=`` / ``keepdim=`` (keyword only) for an ``axis`` / ``keepdims``
+  attribute with a default;
 * ``__doc__``: the op's one-line summary, a note on its operands, its notes;
 * ``__module__`` is ``"tapeflow"``; the body is one ``record_op(name, operands, attrs)``
   call (:func:`tapeflow.apply` with a tuple and a dict, so no argument is packed twice),
@@ -73,10 +75,28 @@ def _parameters(d: OpDef) -> list[inspect.Parameter]:
             params.append(_P(name, kind, annotation=ann))
         else:
             params.append(_P(name, kind, default=default, annotation=ann))
+    # PyTorch's names, keyword only, for an attribute that has a default: dim= for axis=, keepdim= for keepdims=
+    for numpy_name, torch_name in _TORCH_NAMES:
+        if d.defaults.get(numpy_name, REQUIRED) is not REQUIRED and torch_name not in d.defaults:
+            ann = d.attr_types[numpy_name]
+            ann = ann if ann.endswith("| None") else f"{ann} | None"
+            params.append(_P(torch_name, _P.KEYWORD_ONLY, default=None, annotation=ann))
     for p in params:
         if keyword.iskeyword(p.name) or p.name.startswith("_"):
             raise ValueError(f"op {d.name!r}: {p.name!r} cannot name a parameter of a generated function")
     return params
+
+
+_TORCH_NAMES = (("axis", "dim"), ("keepdims", "keepdim"))
+
+
+def _alias(opname: str, value: object, default: object, alias: object, names: tuple[str, str]) -> object:
+    """``value`` (NumPy's name), or ``alias`` (PyTorch's) when given; both given is an error."""
+    if alias is None:
+        return value
+    if value is not default and value != default:
+        raise TypeError(f"{opname}: pass {names[0]}= or {names[1]}= (the same thing), not both")
+    return tuple(alias) if isinstance(alias, list) else alias
 
 
 def _operand_note(d: OpDef) -> str:
@@ -125,6 +145,13 @@ def _source(d: OpDef, fname: str, params: list[inspect.Parameter]) -> str:
             head.append(f"{p.name}=None" if p.default is None else f"{p.name}=_d_{p.name}")
     attrs = ", ".join(f"{a!r}: {a}" for a in d.defaults)
     lines = [f"def {fname}({', '.join(head)}):"]
+    names = {p.name for p in params}
+    for numpy_name, torch_name in _TORCH_NAMES:
+        if torch_name in names and numpy_name in d.defaults:
+            lines.append(
+                f"    {numpy_name} = _alias({d.name!r}, {numpy_name}, _d_{numpy_name}, {torch_name}, "
+                f"({numpy_name!r}, {torch_name!r}))"
+            )
     if d.variadic:
         *required, seq = d.operands
         operands = [*required, f"*_sequence({d.name!r}, {seq!r}, {seq})"]
@@ -176,7 +203,7 @@ def _make_function(d: OpDef, fname: str | None = None) -> _OpFunction:
     params = _parameters(d)
     src = _source(d, fname, params)
     filename = f"<tapeflow generated {fname}>"
-    ns: dict[str, object] = {"_record": record_op, "_sequence": _sequence, "_gap": _gap}
+    ns: dict[str, object] = {"_record": record_op, "_sequence": _sequence, "_gap": _gap, "_alias": _alias}
     ns.update({f"_d_{p.name}": p.default for p in params if p.default is not _P.empty})
     exec(compile(src, filename, "exec"), ns)
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # readable tracebacks

@@ -143,7 +143,7 @@ def clamp(x: Operand, lo: float | None = None, hi: float | None = None) -> Tenso
     """
 
 
-def concat(xs: Sequence[Operand], axis: int = 0) -> Tensor:
+def concat(xs: Sequence[Operand], axis: int = 0, *, dim: int | None = None) -> Tensor:
     """Concatenate the sequence of operands ``xs`` along ``axis`` (same dtype, same shape except along ``axis``).
 
     Operand ``xs`` is a sequence of Tensors, Params, numbers or arrays. Records the
@@ -279,6 +279,8 @@ def layer_norm(
     bias: Operand | None = None,
     axis: Axes = -1,
     eps: float = 1e-05,
+    *,
+    dim: Axes | None = None,
 ) -> Tensor:
     """Layer normalization ``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``axis`` (int or tuple).
 
@@ -313,14 +315,21 @@ def log(x: Operand) -> Tensor:
     """
 
 
-def log_softmax(x: Operand, axis: Axes = -1) -> Tensor:
+def log_softmax(x: Operand, axis: Axes = -1, *, dim: Axes | None = None) -> Tensor:
     """``x - logsumexp(x)`` over ``axis`` (int or tuple), shifted by the max for stability.
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``log_softmax`` op.
     """
 
 
-def logsumexp(x: Operand, axis: Axes | None = -1, keepdims: bool = False) -> Tensor:
+def logsumexp(
+    x: Operand,
+    axis: Axes | None = -1,
+    keepdims: bool = False,
+    *,
+    dim: Axes | None = None,
+    keepdim: bool | None = None,
+) -> Tensor:
     """``log(sum(exp(x)))`` over ``axis`` (int, tuple or None for all), shifted by the max for stability.
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``logsumexp`` op.
@@ -341,7 +350,14 @@ def matmul(x: Operand, y: Operand) -> Tensor:
     """
 
 
-def max(x: Operand, axis: Axes | None = None, keepdims: bool = False) -> Tensor:
+def max(
+    x: Operand,
+    axis: Axes | None = None,
+    keepdims: bool = False,
+    *,
+    dim: Axes | None = None,
+    keepdim: bool | None = None,
+) -> Tensor:
     """Maximum over ``axis``; ties share the gradient equally (as ``jax.grad``).
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``max`` op.
@@ -371,7 +387,14 @@ def maximum(x: Operand, y: Operand) -> Tensor:
     """
 
 
-def mean(x: Operand, axis: Axes | None = None, keepdims: bool = False) -> Tensor:
+def mean(
+    x: Operand,
+    axis: Axes | None = None,
+    keepdims: bool = False,
+    *,
+    dim: Axes | None = None,
+    keepdim: bool | None = None,
+) -> Tensor:
     """Mean over ``axis`` (an int, a tuple, or None for all).
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``mean`` op.
@@ -445,7 +468,14 @@ def reshape(x: Operand, shape: ShapeLike) -> Tensor:
 scaled_dot_product_attention = attention
 
 
-def scatter_add(x: Operand, indices: Operand, updates: Operand, axis: int = 0) -> Tensor:
+def scatter_add(
+    x: Operand,
+    indices: Operand,
+    updates: Operand,
+    axis: int = 0,
+    *,
+    dim: int | None = None,
+) -> Tensor:
     """``x`` with ``updates`` added at integer ``indices`` along ``axis`` (``x.at[..., indices].add``).
 
     Operands ``x``, ``indices``, ``updates``: Tensors, Params, numbers or arrays. No
@@ -473,7 +503,7 @@ def sin(x: Operand) -> Tensor:
     """
 
 
-def softmax(x: Operand, axis: Axes = -1) -> Tensor:
+def softmax(x: Operand, axis: Axes = -1, *, dim: Axes | None = None) -> Tensor:
     """``exp(x) / sum(exp(x))`` over ``axis`` (int or tuple), computed as ``exp(x - max)`` for stability.
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``softmax`` op.
@@ -494,7 +524,7 @@ def sqrt(x: Operand) -> Tensor:
     """
 
 
-def squeeze(x: Operand, axis: Axes | None = None) -> Tensor:
+def squeeze(x: Operand, axis: Axes | None = None, *, dim: Axes | None = None) -> Tensor:
     """Remove size-1 axes: those named by ``axis`` (each must have size 1), or all of them if None.
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``squeeze`` op.
@@ -515,14 +545,21 @@ def sub(x: Operand, y: Operand) -> Tensor:
     """
 
 
-def sum(x: Operand, axis: Axes | None = None, keepdims: bool = False) -> Tensor:
+def sum(
+    x: Operand,
+    axis: Axes | None = None,
+    keepdims: bool = False,
+    *,
+    dim: Axes | None = None,
+    keepdim: bool | None = None,
+) -> Tensor:
     """Sum over ``axis`` (an int, a tuple, or None for all).
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``sum`` op.
     """
 
 
-def take(x: Operand, indices: Operand, axis: int = 0) -> Tensor:
+def take(x: Operand, indices: Operand, axis: int = 0, *, dim: int | None = None) -> Tensor:
     """Select entries of ``x`` along ``axis`` at integer ``indices`` (any shape), as ``jnp.take``.
 
     Operands ``x``, ``indices``: Tensors, Params, numbers or arrays. No gradient flows to
