@@ -89,6 +89,7 @@ from ._shell._params import Param, Storage, canonical_indices, tie
 from ._shell._remat import checkpoint
 from ._shell._session import RationalFallbackWarning, Session, TapeGrowthWarning
 from ._shell._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
+from ._shell._torch_names import arange, chunk, full, ones, split, stack, zeros
 from ._train._functional import TrainStep, param_values, train_step, value_and_grad
 from ._train._optim import Optimizer
 
@@ -125,6 +126,7 @@ __all__ = [
     "abs",
     "add",
     "apply",
+    "arange",
     "astype",
     "attention",
     "avg_pool2d",
@@ -134,6 +136,7 @@ __all__ = [
     "cache_dir",
     "canonical_indices",
     "checkpoint",
+    "chunk",
     "clamp",
     "clear_kernel_caches",
     "compile_log",
@@ -149,6 +152,7 @@ __all__ = [
     "eq",
     "exp",
     "expand_dims",
+    "full",
     "gather",
     "ge",
     "gelu",
@@ -178,6 +182,7 @@ __all__ = [
     "neg",
     "nonfinite_origin",
     "numpy",
+    "ones",
     "ops",
     "param_values",
     "permute",
@@ -197,8 +202,10 @@ __all__ = [
     "sin",
     "softmax",
     "softplus",
+    "split",
     "sqrt",
     "squeeze",
+    "stack",
     "stop_gradient",
     "sub",
     "sum",
@@ -209,6 +216,7 @@ __all__ = [
     "transpose",
     "value_and_grad",
     "where",
+    "zeros",
 ]
 
 _compile_cache.setup_from_environment()  # the persistent compilation cache (TAPEFLOW_CACHE_DIR); starts no backend

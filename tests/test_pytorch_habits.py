@@ -319,3 +319,33 @@ def test_op_functions_take_dim_and_keepdim_as_well():
         )
         with pytest.raises(TypeError, match="sum: pass axis= or dim="):
             tfl.sum(x, axis=0, dim=1)
+
+
+def test_stack_split_chunk_and_constants_follow_pytorch():
+    data = np.arange(14.0).reshape(7, 2)
+    t = torch.tensor(data)
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        for ours, theirs in [
+            (tfl.split(x, 3), torch.split(t, 3)),
+            (tfl.split(x, [2, 5]), torch.split(t, [2, 5])),
+            (tfl.chunk(x, 3), torch.chunk(t, 3)),
+            (tfl.chunk(x, 2, dim=1), torch.chunk(t, 2, dim=1)),
+        ]:
+            assert [p.shape for p in ours] == [tuple(p.shape) for p in theirs]
+            for a, b in zip(ours, theirs):
+                np.testing.assert_array_equal(np.asarray(a.value), b.numpy())
+        pieces = tfl.split(x, 3)
+        st = tfl.stack([pieces[0], pieces[1]], dim=1)
+        np.testing.assert_array_equal(np.asarray(st.value), torch.stack(torch.split(t, 3)[:2], dim=1).numpy())
+        g = s.backward(tfl.sum(st) + tfl.sum(pieces[2]))[x]
+        np.testing.assert_array_equal(np.asarray(g), np.ones((7, 2)))  # every row reached exactly once
+        z = tfl.zeros(2, 3)
+        assert isinstance(z, tfl.Tensor) and z.node.op is None and z.shape == (2, 3)  # a leaf of this session
+        assert tfl.ones((2,)).tolist() == [1.0, 1.0] and tfl.full((2,), 7).tolist() == [7, 7]
+        assert tfl.arange(5).tolist() == torch.arange(5).tolist()
+        assert tfl.arange(0, 1, 0.25).tolist() == torch.arange(0, 1, 0.25).tolist()
+        assert x.argmax(dim=1).tolist() == t.argmax(dim=1).tolist() and int(x.argmin()) == int(t.argmin())
+        with pytest.raises(ValueError, match=r"sections \[2, 2\] must be non-negative and add up to the axis length 7"):
+            tfl.split(x, [2, 2])
+    assert isinstance(tfl.zeros(3), jax.Array)  # no session: a plain array

@@ -211,6 +211,13 @@ def _spread(*, root: bool) -> Callable[..., Tensor]:
     return method
 
 
+def _positions(name: str, x: TensorOps, axis: R.Axes | None, keepdims: bool) -> Tensor:
+    from . import _numpy  # tfl.numpy builds on this module
+
+    out: Tensor = _numpy.FUNCTIONS[name](x, axis=axis, keepdims=keepdims)
+    return out
+
+
 class Size(int):
     """A tensor's element count that is also PyTorch's ``size()``: ``x.size`` is NumPy's, ``x.size()`` the shape.
 
@@ -338,6 +345,18 @@ class TensorOps:
     )
     var = _spread(root=False)
     std = _spread(root=True)
+
+    def argmax(
+        self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
+    ) -> Tensor:
+        """The position of the maximum (an integer, no gradient), as ``jnp.argmax`` / ``torch.argmax``."""
+        return _positions("argmax", self, _axis(axis, dim), _keep(keepdims, keepdim))
+
+    def argmin(
+        self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
+    ) -> Tensor:
+        """The position of the minimum (an integer, no gradient), as ``jnp.argmin`` / ``torch.argmin``."""
+        return _positions("argmin", self, _axis(axis, dim), _keep(keepdims, keepdim))
 
     # PyTorch's names for the shape ops
     def view(self, *shape: int | Sequence[int]) -> Tensor:
