@@ -343,8 +343,8 @@ class ValuePolicy:
             return c
         if isinstance(o, (np.ndarray, jax.Array, list, tuple, np.generic)):
             return self.prepare(np.asarray(o) if isinstance(o, (list, tuple)) else o, opname)
-        if foreign_array(o, opname) is not o:  # another framework's array (a PyTorch tensor, ...)
-            return self.prepare(o, opname)
+        if (data := foreign_array(o, opname)) is not o:  # another framework's array (a PyTorch tensor, ...)
+            return self.prepare(data, opname)
         raise TapeError(
             f"{opname}: operand of type {type(o).__name__} is not supported; "
             "use a Tensor, a Param, a number or an array"

@@ -515,14 +515,15 @@ class TrainStep:
         opt = self.optimizer
         # a batch of concrete arrays holds no tracer: anything else is looked at leaf by leaf
         if kwargs or operator.countOf(map(type, args), concrete_array_type()) != len(args):
-            foreign = False
-            for x in jax.tree_util.tree_leaves((args, kwargs)):  # a loop, not a generator: no frame per call
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            data = []
+            for x in leaves:  # a loop, not a generator: no frame per call
                 if isinstance(x, jax.core.Tracer):
                     # refused before the program runs: under jax.grad/vmap it would run (and consume donated inputs)
                     raise traced_write("train_step", "its batch")
-                foreign = foreign or foreign_array(x, "train_step") is not x
-            if foreign:  # PyTorch tensors (a DataLoader's batch), ...: as NumPy data, as a session takes them
-                args, kwargs = jax.tree_util.tree_map(lambda v: foreign_array(v, "train_step"), (args, kwargs))
+                data.append(foreign_array(x, "train_step"))
+            if any(d is not x for d, x in zip(data, leaves)):  # PyTorch tensors (a DataLoader's batch), ...
+                args, kwargs = jax.tree_util.tree_unflatten(treedef, data)  # as NumPy data, as a session takes them
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state
