@@ -33,19 +33,19 @@ def test_shared_linear_in_sequential_listed_once():
 
     assert [id(p) for p in model.parameters()] == [id(lin.weight), id(lin.bias), id(head.weight), id(head.bias)]
     assert [n for n, _ in model.named_parameters()] == [
-        "layers.0.weight",
-        "layers.0.bias",
-        "layers.3.weight",
-        "layers.3.bias",
+        "0.weight",
+        "0.bias",
+        "3.weight",
+        "3.bias",
     ]
     recs = model.parameter_records()
     assert [n for n, _ in recs] == [
-        "layers.0.weight",
-        "layers.0.bias",
-        "layers.2.weight",
-        "layers.2.bias",
-        "layers.3.weight",
-        "layers.3.bias",
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "3.weight",
+        "3.bias",
     ]
     assert recs[2][1] is lin.weight and recs[3][1] is lin.bias
     assert list(model.param_dict()) == [n for n, _ in model.named_parameters()]
@@ -121,7 +121,7 @@ def test_containers_definition_order_and_repr():
 
     lin = nn.Linear(2, 2, key=jax.random.key(0))
     r = repr(nn.Sequential(lin, tfl.relu, lin))
-    assert "(layers.1): relu" in r and "same module as layers.0" in r
+    assert "(1): relu" in r and "same module as 0" in r
 
 
 def test_module_contains_itself_does_not_recurse_forever():
@@ -312,9 +312,9 @@ def test_mlp_and_sequential_match_jax():
     seq = nn.Sequential(lin, tfl.relu, lin, nn.Linear(4, 1, key=k2, dtype=F64))
 
     def ref_seq(v, x):
-        h = jax.nn.relu(x @ v["layers.0.weight"] + v["layers.0.bias"])
-        h = h @ v["layers.0.weight"] + v["layers.0.bias"]
-        return h @ v["layers.3.weight"] + v["layers.3.bias"]
+        h = jax.nn.relu(x @ v["0.weight"] + v["0.bias"])
+        h = h @ v["0.weight"] + v["0.bias"]
+        return h @ v["3.weight"] + v["3.bias"]
 
     _check_layer(seq, ref_seq, x)
 

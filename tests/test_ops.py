@@ -939,6 +939,10 @@ def test_public_op_functions_exist_and_are_exported() -> None:
     assert set(_functions.__all__) == set(PUBLIC) | aliases | {"dropout"}
 
 
+HAND_WRITTEN = {"attention": ("dropout", "training")}
+"""Op functions written by hand (to draw a random operand): their extra keyword-only parameters."""
+
+
 @pytest.mark.parametrize("name", PUBLIC)
 def test_op_function_signature_matches_opdef(name: str) -> None:
     import inspect
@@ -948,8 +952,24 @@ def test_op_function_signature_matches_opdef(name: str) -> None:
     d = tfl.REGISTRY[name]
     f = getattr(tfl, name)
     assert (f.__name__, f.__qualname__, f.__module__) == (name, name, "tapeflow")
-    assert f.__doc__ and f.__doc__.startswith(d.doc) and f"``{name}``" in f.__doc__
+    assert f.__doc__ and f"``{name}``" in f.__doc__
+    assert f.__doc__.startswith(d.doc.rstrip(".")), "an op function's summary starts with its op's"
     params = list(inspect.signature(f).parameters.values())
+    if name in HAND_WRITTEN:  # the op's operands and attributes (a drawn operand left out), then its own keywords
+        extra = HAND_WRITTEN[name]
+        assert [p.name for p in params[-len(extra) :]] == list(extra)
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[-len(extra) :])
+        drawn = [n for n in d.optional_operands if n not in {p.name for p in params}]
+        assert drawn == ["keep"]
+        params = params[: -len(extra)]
+        d_operands = [n for n in d.operands if n not in drawn]
+        d_defaults = {k: v for k, v in d.defaults.items() if k not in extra}
+        assert [p.name for p in params] == [*d_operands, *d_defaults]
+        for p in params:
+            assert p.default == d_defaults.get(
+                p.name, None if p.name in d.optional_operands else inspect.Parameter.empty
+            )
+        return
     # then PyTorch's dim= / keepdim=, keyword only, for an axis / keepdims attribute that has a default
     torch_names = [
         t for n, t in (("axis", "dim"), ("keepdims", "keepdim")) if d.defaults.get(n, REQUIRED) is not REQUIRED

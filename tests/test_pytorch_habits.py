@@ -267,10 +267,12 @@ def test_layer_norm_without_bias_matches_torch():
     data = np.random.default_rng(2).normal(size=(3, 5))
     ln = tfl.nn.LayerNorm(5, bias=False, dtype=jnp.float64)
     assert ln.bias is None and [n for n, _ in ln.named_parameters()] == ["weight"]
-    ln.weight.value = jnp.linspace(0.5, 1.5, 5)
     ref = torch.nn.LayerNorm(5, bias=False, dtype=torch.float64)
     with torch.no_grad():
         ref.weight.copy_(torch.linspace(0.5, 1.5, 5, dtype=torch.float64))
+    assert list(tfl.nn.state_dict(ln)) == list(ref.state_dict()) == ["weight"]
+    tfl.nn.load_state_dict(ln, ref.state_dict())  # no bias key expected, none exported
+    np.testing.assert_array_equal(np.asarray(ln.weight.value), np.linspace(0.5, 1.5, 5))
     t = torch.tensor(data, requires_grad=True)
     out_ref = ref(t)
     (out_ref * out_ref).sum().backward()
@@ -349,3 +351,147 @@ def test_stack_split_chunk_and_constants_follow_pytorch():
         with pytest.raises(ValueError, match=r"sections \[2, 2\] must be non-negative and add up to the axis length 7"):
             tfl.split(x, [2, 2])
     assert isinstance(tfl.zeros(3), jax.Array)  # no session: a plain array
+
+
+# --------------------------------------------------------------------------- gelu, attention dropout, Sequential names
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_forms_match_torch(approximate):
+    data = np.random.default_rng(4).normal(size=(4, 6)) * 3
+    t = torch.tensor(data, requires_grad=True)
+    ref = torch.nn.functional.gelu(t, approximate=approximate)
+    (ref * ref).sum().backward()
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        y = tfl.gelu(x, approximate=approximate)
+        g = s.backward(tfl.sum(y * y))[x]
+        np.testing.assert_allclose(np.asarray(y.value), ref.detach().numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-10, atol=1e-12)
+    # jax.nn.gelu's spelling (True = tanh form) names the same op
+    oracle = jax.grad(lambda v: jnp.sum(jax.nn.gelu(v, approximate=approximate == "tanh") ** 2))(jnp.asarray(data))
+    with tfl.Session() as s:
+        x = s.input(jnp.asarray(data), requires_grad=True)
+        g2 = s.backward(tfl.sum(tfl.gelu(x, approximate=approximate == "tanh") ** 2))[x]
+    np.testing.assert_allclose(np.asarray(g2), np.asarray(oracle), rtol=1e-10, atol=1e-12)
+    with tfl.Session() as s, pytest.raises(tfl.TapeError, match=r"approximate='erf' must be 'none'.*or 'tanh'"):
+        tfl.gelu(s.input(jnp.ones(2)), approximate="erf")
+
+
+def _torch_dropped_attention(q, k, v, keep, p, causal):
+    """PyTorch's scaled_dot_product_attention with a given dropout mask: softmax, drop and rescale, @ v."""
+    scores = q @ k.transpose(-1, -2) / np.sqrt(q.shape[-1])
+    if causal:
+        lq, lk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), float("-inf"))
+    w = torch.softmax(scores, dim=-1)
+    return (w * torch.tensor(keep) / (1 - p)) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_dropout_matches_torch_with_the_same_mask(causal):
+    rng = np.random.default_rng(5)
+    qd, kd, vd = (rng.normal(size=(2, 3, 5, 4)) for _ in range(3))
+    cot = rng.normal(size=(2, 3, 5, 4))
+    p = 0.4
+    keep = np.asarray(tfl.Session(seed=11).bernoulli_mask((2, 3, 5, 5), 1 - p).value)  # the draw tfl.attention makes
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (qd, kd, vd))
+    ref = _torch_dropped_attention(tq, tk, tv, keep, p, causal)
+    (ref * torch.tensor(cot)).sum().backward()
+    with tfl.Session(seed=11) as s:
+        q, k, v = (s.input(jnp.asarray(a), requires_grad=True) for a in (qd, kd, vd))
+        out = tfl.attention(q, k, v, causal=causal, dropout=p)
+        assert s.rng_counter == 1
+        g = s.backward(tfl.sum(out * jnp.asarray(cot)))
+        np.testing.assert_allclose(np.asarray(out.value), ref.detach().numpy(), rtol=1e-11, atol=1e-12)
+    for ours, theirs in ((q, tq), (k, tk), (v, tv)):
+        np.testing.assert_allclose(np.asarray(g[ours]), theirs.grad.numpy(), rtol=1e-10, atol=1e-12)
+    # dropout 0, an inference session and training=False are PyTorch's plain attention, with no draw
+    plain = torch.nn.functional.scaled_dot_product_attention(*(torch.tensor(a) for a in (qd, kd, vd)), is_causal=causal)
+    for grad_enabled, training in ((True, False), (False, None)):
+        with tfl.Session(seed=11, grad_enabled=grad_enabled) as s:
+            q, k, v = (s.input(jnp.asarray(a)) for a in (qd, kd, vd))
+            out = tfl.attention(q, k, v, causal=causal, dropout=p, training=training)
+            np.testing.assert_allclose(np.asarray(out.value), plain.numpy(), rtol=1e-11, atol=1e-12)
+            assert s.rng_counter == 0
+
+
+def test_attention_dropout_rate_and_refusals():
+    with tfl.Session(seed=0) as s:
+        q = s.input(jnp.ones((64, 32, 8)))
+        w_out = tfl.attention(q, q, q, dropout=0.25)  # uniform weights 1/32: each output is (kept share) / 0.75
+        kept = np.asarray(w_out.value)[..., 0] * 0.75
+        assert abs(kept.mean() - 0.75) < 0.01
+        with pytest.raises(tfl.TapeError, match=r"attention: dropout must be a number in \[0, 1\), got 1\.0"):
+            tfl.attention(q, q, q, dropout=1.0)
+        with pytest.raises(tfl.TapeError, match=r"mask \(operand #3\) must be boolean"):
+            tfl.attention(q, q, q, jnp.ones((32, 32)), dropout=0.5)
+        with pytest.raises(tfl.TapeError, match=r"needs the keep mask"):
+            tfl.apply("attention", q, q, q, dropout=0.5)  # the bare op: the mask must be given
+        assert s.rng_counter == 1  # refused calls drew nothing
+
+
+def test_multi_head_attention_dropout_is_on_in_train_mode_only():
+    mha = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), dropout=0.5)
+    plain = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0))
+    x0 = jax.random.normal(jax.random.key(1), (3, 5, 8), F32)
+    assert "dropout=0.5" in repr(mha)
+    with tfl.Session(seed=0) as s:
+        x = s.input(x0)
+        ref = np.asarray(plain(x).value)
+        assert not np.allclose(np.asarray(mha(x).value), ref) and s.rng_counter == 1
+        np.testing.assert_allclose(np.asarray(mha.eval()(x).value), ref, rtol=1e-6)
+        assert s.rng_counter == 1
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), dropout=1.5)
+
+
+def test_sequential_has_one_naming_scheme_as_in_torch():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    net = tfl.nn.Sequential(tfl.nn.Linear(3, 4, key=k1), tfl.relu, tfl.nn.Linear(4, 2, key=k2))
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    names = [n for n, _ in net.named_parameters()]
+    assert names == [n for n, _ in ref.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert list(tfl.nn.state_dict(net)) == list(ref.state_dict()) == names
+    text = repr(net)
+    assert "(0): Linear(" in text and "(1): relu" in text and "(2): Linear(" in text and "layers" not in text
+    tfl.nn.load_state_dict(net, ref.state_dict())  # PyTorch's keys load as they are
+    np.testing.assert_array_equal(np.asarray(net[2].bias.value), ref[2].bias.detach().numpy())
+    assert list(tfl.nn.state_dict(net, layout="flax")) == [
+        "layers.0.kernel",
+        "layers.0.bias",
+        "layers.2.kernel",
+        "layers.2.bias",
+    ]
+
+
+def test_attention_dropout_steps_alike_on_every_path():
+    """Lazy equals eager (one seeded stream); train_step equals value_and_grad under its documented key."""
+    from _helpers import one_step
+
+    x0 = jax.random.normal(jax.random.key(1), (3, 5, 8), F32)
+
+    def model():
+        return tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), causal=True, dropout=0.3)
+
+    def run(path):
+        mha = model()
+        loss = one_step(path, lambda s: tfl.sum(mha(s.input(x0)) ** 2), tfl.Optimizer(optax.sgd(0.1), mha))
+        return float(loss), [np.asarray(q.value) for q in mha.parameters()]
+
+    (ref_loss, ref), (loss, params) = run("eager"), run("lazy")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(params, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with tfl.Session() as s:  # the dropout was drawn: the loss is not the plain one's
+        plain = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), causal=True)
+        assert abs(float(tfl.sum(plain(s.input(x0)) ** 2)) - ref_loss) > 1e-3
+
+    mha = model()
+    vg = tfl.value_and_grad(lambda s, x: tfl.sum(mha(x) ** 2))
+    oracle, grads = vg(mha.param_dict(), x0, rng=jax.random.fold_in(jax.random.PRNGKey(0), 0))
+    before = {n: np.asarray(p.value) for n, p in mha.named_parameters()}
+    loss = one_step("train_step", lambda s: tfl.sum(mha(s.input(x0)) ** 2), tfl.Optimizer(optax.sgd(0.1), mha))
+    np.testing.assert_allclose(float(loss), float(oracle), rtol=1e-6)
+    for n, p in mha.named_parameters():
+        np.testing.assert_allclose(np.asarray(p.value), before[n] - 0.1 * np.asarray(grads[n]), rtol=1e-5, atol=1e-6)

@@ -94,8 +94,8 @@ def test_shared_submodule_counts_as_a_tie() -> None:
     lin = tfl.nn.Linear(2, 2, key=jax.random.key(1))
     seq = tfl.nn.Sequential(lin, lin)
     assert [paths for _, paths in _treescope.module_ties(seq)] == [
-        ["layers.0.weight", "layers.1.weight"],
-        ["layers.0.bias", "layers.1.bias"],
+        ["0.weight", "1.weight"],
+        ["0.bias", "1.bias"],
     ]
     assert "# tied: storage #" in _text(seq)
 

@@ -206,14 +206,41 @@ _unary("softplus", jax.nn.softplus, _softplus_deriv, "Elementwise ``log(1 + exp(
 _unary("abs", jnp.abs, lambda x, out: jnp.sign(x), "Elementwise absolute value (gradient sign(x), 0 at 0).")
 
 
-def _gelu_deriv(x: Array, out: Array) -> Array:
-    # exact (erf) GELU: x * Phi(x)
-    phi = jnp.exp(-0.5 * x * x) / jnp.sqrt(2 * jnp.pi).astype(x.dtype)
-    cdf = 0.5 * (1 + jax.lax.erf(x / jnp.sqrt(2.0).astype(x.dtype)))
-    return cdf + x * phi
+def _gelu_tanh(approximate: object) -> bool:
+    """True for the tanh form (``"tanh"``, or ``True`` as in ``jax.nn.gelu``), False for the exact one."""
+    return approximate is True or approximate == "tanh"
 
 
-_unary("gelu", lambda x: jax.nn.gelu(x, approximate=False), _gelu_deriv, "Elementwise GELU (exact erf form).")
+def _gelu_check(specs: tuple[Spec, ...], approximate: object = "none") -> str | None:
+    if err := float_operands(specs):
+        return err
+    if isinstance(approximate, (bool, np.bool_)) or (isinstance(approximate, str) and approximate in ("none", "tanh")):
+        return None
+    return f"attribute approximate={approximate!r} must be 'none' (exact erf form) or 'tanh', as in PyTorch"
+
+
+@op("gelu", arity=1, attrs={"approximate": "none"}, check=_gelu_check)
+def gelu(x: Array, approximate: str | bool) -> Array:
+    """Elementwise GELU: exact ``x * Phi(x)`` (``approximate="none"``, the default, as in PyTorch) or its tanh form.
+
+    ``approximate="tanh"`` (or ``True``, ``jax.nn.gelu``'s default) is
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, GPT-2's form.
+    """
+    return jax.nn.gelu(x, approximate=_gelu_tanh(approximate))
+
+
+@gelu.defvjp
+def _gelu_vjp(g: Array, out: Array, x: Array, approximate: str | bool) -> tuple[Array]:
+    if _gelu_tanh(approximate):
+        c = jnp.sqrt(2 / jnp.pi).astype(x.dtype)
+        x2 = x * x
+        t = jnp.tanh(c * (x + 0.044715 * x2 * x))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x2)
+    else:
+        phi = jnp.exp(-0.5 * x * x) / jnp.sqrt(2 * jnp.pi).astype(x.dtype)
+        cdf = 0.5 * (1 + jax.lax.erf(x / jnp.sqrt(2.0).astype(x.dtype)))
+        d = cdf + x * phi
+    return ((g * d).astype(g.dtype),)
 
 
 @op("relu", arity=1, exact=True, check=float_operands)

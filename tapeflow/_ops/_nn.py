@@ -25,6 +25,7 @@ from .._core._checks import (
     int_pair,
     is_finite_number,
     is_int_dtype,
+    is_number,
     norm_axes,
 )
 from .._core._registry import REQUIRED, Axes, Padding, Pair, Reduction, Spec, broadcast_shapes, op, unbroadcast
@@ -554,7 +555,7 @@ def avg_pool2d(x: Array, kernel_size: Pair, stride: Pair | None, padding: Pair) 
 # --------------------------------------------------------------------------- attention
 
 
-def _attention_check(specs: tuple[Spec, ...], scale: object, causal: object) -> str | None:
+def _attention_check(specs: tuple[Spec, ...], scale: object, causal: object, dropout: object = 0.0) -> str | None:
     if err := float_check(specs, (0, 1, 2)):
         return err
     q, k, v = (s for s, _ in specs[:3])
@@ -568,15 +569,23 @@ def _attention_check(specs: tuple[Spec, ...], scale: object, causal: object) -> 
     batch = broadcast_shapes(q[:-2], k[:-2], v[:-2])
     if batch is None:
         return f"batch dimensions {q[:-2]}, {k[:-2]} and {v[:-2]} of q, k and v do not broadcast together"
-    if len(specs) == 4:
-        ms, mdt = specs[3]
-        if mdt != np.dtype(bool):
-            return f"mask (operand #3) must be boolean (True = attend), got {mdt}; build it with a comparison"
-        target = batch + (q[-2], k[-2])
-        if not broadcasts_to(ms, target):
-            return f"mask has shape {ms} but must broadcast to (..., Lq, Lk) = {target}"
+    target = batch + (q[-2], k[-2])
+    for i, what in ((3, "mask (operand #3) must be boolean (True = attend)"), (4, "keep (operand #4) must be boolean")):
+        if len(specs) > i:
+            ms, mdt = specs[i]
+            if mdt != np.dtype(bool):
+                return f"{what}, got {mdt}; build it with a comparison"
+            if not broadcasts_to(ms, target):
+                return f"{('mask', 'keep')[i - 3]} has shape {ms} but must broadcast to (..., Lq, Lk) = {target}"
     if scale is not None and not is_finite_number(scale):
         return f"attribute scale={scale!r} must be a finite number or None (= 1/sqrt(D))"
+    if not is_number(dropout) or not 0.0 <= float(dropout) < 1.0:
+        return f"attribute dropout={dropout!r} must be a number in [0, 1)"
+    if dropout and len(specs) < 5:
+        return (
+            f"attribute dropout={dropout} needs the keep mask (operand #4) drawn from the session's RNG; "
+            "call tfl.attention(q, k, v, mask, dropout=p), which draws it"
+        )
     return bool_error("causal", causal)
 
 
@@ -603,16 +612,31 @@ def _attention_probs(
     return e / jnp.where(den > 0, den, jnp.ones((), s.dtype)), sc
 
 
+def _dropped(p: Array, keep: Array, dropout: float) -> Array:
+    """Inverted dropout of the attention weights: kept entries scaled by ``1 / (1 - dropout)``."""
+    return jnp.where(keep, p * jnp.asarray(1.0 / (1.0 - dropout), p.dtype), jnp.zeros((), p.dtype))
+
+
 @op(
     "attention",
-    arity=(3, 4),
-    attrs={"scale": None, "causal": False},
-    nondiff=(3,),
+    arity=(3, 5),
+    attrs={"scale": None, "causal": False, "dropout": 0.0},
+    nondiff=(3, 4),
     check=_attention_check,
     aliases=("scaled_dot_product_attention",),
     runtime=("scale",),
 )
-def attention(q: Array, k: Array, v: Array, mask: Array = None, *, scale: float | None, causal: bool) -> Array:
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Array = None,
+    keep: Array = None,
+    *,
+    scale: float | None,
+    causal: bool,
+    dropout: float,
+) -> Array:
     """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims
@@ -621,9 +645,15 @@ def attention(q: Array, k: Array, v: Array, mask: Array = None, *, scale: float 
     ``causal=True`` additionally keeps key ``j`` for query ``i`` only when
     ``j <= i`` (top-left aligned, as ``jax.nn.dot_product_attention``). A query
     row with every key masked attends to nothing: its output is 0 and it
-    passes zero gradient (never NaN). The VJP recomputes the softmax.
+    passes zero gradient (never NaN). ``dropout=p`` drops attention weights
+    after the softmax with probability ``p`` and scales the rest by
+    ``1 / (1 - p)``, as ``torch.nn.functional.scaled_dot_product_attention``'s
+    ``dropout_p``; the boolean ``keep`` operand (True = kept) is drawn from the
+    session's RNG by ``tfl.attention``. The VJP recomputes the softmax.
     """
     p, _ = _attention_probs(q, k, mask, scale, causal)
+    if keep is not None:
+        p = _dropped(p, keep, dropout)
     return p @ v
 
 
@@ -635,15 +665,20 @@ def _attention_vjp(
     k: Array,
     v: Array,
     mask: Array = None,
+    keep: Array = None,
     *,
     scale: float | jax.Array | None,
     causal: bool,
+    dropout: float,
 ) -> tuple[Array, ...]:
     p, sc = _attention_probs(q, k, mask, scale, causal)
-    gv = jnp.swapaxes(p, -1, -2) @ g
+    pd = p if keep is None else _dropped(p, keep, dropout)
+    gv = jnp.swapaxes(pd, -1, -2) @ g
     gp = g @ jnp.swapaxes(v, -1, -2)
+    if keep is not None:
+        gp = _dropped(gp, keep, dropout)
     gs = p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True)) * sc
     gq = gs @ k
     gk = jnp.swapaxes(gs, -1, -2) @ q
     cts = (unbroadcast(gq, q.shape), unbroadcast(gk, k.shape), unbroadcast(gv, v.shape))
-    return cts if mask is None else cts + (None,)
+    return cts + (None,) * (0 if mask is None else 1 if keep is None else 2)

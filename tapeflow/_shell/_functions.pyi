@@ -98,11 +98,11 @@ def attention(
     mask: Operand | None = None,
     scale: float | None = None,
     causal: bool = False,
+    *,
+    dropout: float = 0.0,
+    training: bool | None = None,
 ) -> Tensor:
-    """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.
-
-    Operands ``q``, ``k``, ``v``, optional ``mask``: Tensors, Params, numbers or arrays. No
-    gradient flows to ``mask``. Records the ``attention`` op.
+    """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``, with optional dropout of the weights.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims
     broadcast. ``scale`` defaults to ``1/sqrt(D)``. ``mask`` is boolean,
@@ -110,7 +110,20 @@ def attention(
     ``causal=True`` additionally keeps key ``j`` for query ``i`` only when
     ``j <= i`` (top-left aligned, as ``jax.nn.dot_product_attention``). A query
     row with every key masked attends to nothing: its output is 0 and it
-    passes zero gradient (never NaN). The VJP recomputes the softmax.
+    passes zero gradient (never NaN). Records the ``attention`` op.
+
+    ``dropout=p`` zeroes each attention weight (after the softmax) with
+    probability ``p`` and scales the rest by ``1 / (1 - p)``, as the
+    ``dropout_p`` of ``torch.nn.functional.scaled_dot_product_attention``. The
+    mask comes from the session's seeded RNG (one counter step per call, none
+    for a call that is refused). As :func:`dropout`, it is off when ``p == 0``,
+    in an inference session, or when ``training=False``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session(seed=0) as s:
+    ...     q = s.input(jnp.ones((2, 4, 8)))
+    ...     tfl.attention(q, q, q, causal=True, dropout=0.1).shape
+    (2, 4, 8)
     """
 
 
@@ -259,10 +272,13 @@ def ge(x: Operand, y: Operand) -> Tensor:
     """
 
 
-def gelu(x: Operand) -> Tensor:
-    """Elementwise GELU (exact erf form).
+def gelu(x: Operand, approximate: str | bool = "none") -> Tensor:
+    """Elementwise GELU: exact ``x * Phi(x)`` (``approximate="none"``, the default, as in PyTorch) or its tanh form.
 
     Operand ``x``: a Tensor, Param, number or array. Records the ``gelu`` op.
+
+    ``approximate="tanh"`` (or ``True``, ``jax.nn.gelu``'s default) is
+    ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, GPT-2's form.
     """
 
 

@@ -115,7 +115,10 @@ def _reshape(ops: list[Any], kw: dict[str, Any]) -> Any:
 
 
 def _gelu(ops: list[Any], kw: dict[str, Any]) -> Any:
-    return apply("gelu", ops[0]) if kw == {"approximate": False} else None
+    approximate = kw.get("approximate", True)  # jax.nn.gelu's default: the tanh form
+    if set(kw) - {"approximate"} or not isinstance(approximate, bool):
+        return None
+    return apply("gelu", ops[0], approximate="tanh" if approximate else "none")
 
 
 # --------------------------------------------------------------------------- the tables

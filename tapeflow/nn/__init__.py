@@ -9,7 +9,7 @@ included), and only record ops, so they run eagerly in a
 >>> emb = tfl.nn.Embedding(16, 8, key=jax.random.key(0))
 >>> model = tfl.nn.Sequential(emb, tfl.nn.LayerNorm(8), emb.tied_output())
 >>> [n for n, _ in model.named_parameters()]
-['layers.0.weight', 'layers.1.weight', 'layers.1.bias']
+['0.weight', '1.weight', '1.bias']
 >>> len(model.parameter_records())
 4
 >>> opt = tfl.Optimizer(optax.adam(1e-2), model)

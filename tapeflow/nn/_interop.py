@@ -115,15 +115,15 @@ def _e(key: str | None, *params: str, layout: Layout = SAME) -> Entry:
 class LayerMap:
     """A layer's entries per framework (None: no counterpart there), the sub-modules they cover, child renames.
 
-    ``torch_strip``: a prefix dropped from child paths in PyTorch names
-    (``Sequential``'s ``layers.``). Params the entries do not name, and
+    ``flax_prefix``: a prefix added to child paths in Flax names
+    (``nnx.Sequential`` keeps its entries in ``layers``). Params the entries do not name, and
     sub-modules not in ``owns``, are walked as for any module.
     """
 
     torch: tuple[Entry, ...] | None = ()
     flax: tuple[Entry, ...] | None = ()
     owns: tuple[str, ...] = ()
-    torch_strip: str = ""
+    flax_prefix: str = ""
 
 
 _BN = LayerMap(
@@ -173,7 +173,7 @@ TABLE: dict[type[Module], LayerMap] = {
         + (_e("out.kernel", "out_proj.weight", layout=HEADS_OUT), _e("out.bias", "out_proj.bias")),
         owns=(*_QKV, "out_proj"),
     ),
-    Sequential: LayerMap(torch_strip="layers."),
+    Sequential: LayerMap(flax_prefix="layers."),
 }
 """Each tapeflow layer's foreign names and layouts (the table on :func:`load_state_dict`); subclasses inherit."""
 
@@ -227,14 +227,13 @@ def _records(module: Module, fw: Framework) -> list[_Rec]:
                 out.append(
                     _Rec(prefix + e.key, tuple(p for p in ps if p is not None), e.layout, e.layout.ctx(m), where)
                 )
-        strip = rule.torch_strip if fw == "torch" else ""
+        add = rule.flax_prefix if fw == "flax" else ""
         for name, obj in m.named_members():
             if isinstance(obj, Param):
                 if name not in named:
                     out.append(_Rec(prefix + name, (obj,), SAME, None, where))
             elif name.split(".")[0] not in rule.owns and id(obj) not in path:
-                child = name.removeprefix(strip) if strip else name
-                visit(obj, f"{prefix}{child}.", path | {id(obj)})
+                visit(obj, f"{prefix}{add}{name}.", path | {id(obj)})
 
     visit(module, "", frozenset({id(module)}))
     seen: dict[str, _Rec] = {}
@@ -462,7 +461,7 @@ def load_state_dict(
     | `BatchNorm1d/2d` | `weight`, `bias`, `running_mean`, `running_var`, `num_batches_tracked` (int64) | `scale`, `bias`, `mean`, `var`; no counter (kept, not exported) |
     | `GRUCell`, `LSTMCell` | `weight_ih`, `weight_hh`, `bias_ih`, `bias_hh`: as stored | none: an error |
     | `MultiHeadAttention` (`q/k/v_proj`, `out_proj`) | `in_proj_weight` (3E, E): q, k, v weights transposed and stacked; `in_proj_bias` (3E,); `out_proj.weight` (transposed), `out_proj.bias` | `query`/`key`/`value`: `kernel` (E, H, E/H), `bias` (H, E/H); `out`: `kernel` (H, E/H, E), `bias` |
-    | `Sequential` | entries `0`, `1`, ... (no `layers.`), as `torch.nn.Sequential` | `layers.0`, `layers.1`, ..., as `nnx.Sequential` |
+    | `Sequential` (entries `0`, `1`, ...) | `0`, `1`, ..., as `torch.nn.Sequential` | `layers.0`, `layers.1`, ..., as `nnx.Sequential` |
 
     A Param set to None (``bias=False``, ``affine=False``) has no key, as in
     PyTorch. Hyperparameters (eps, momentum, padding, heads, causal) are not

@@ -25,7 +25,7 @@ from .._shell import _functions as F
 from .._shell._params import Param, tie
 from .._shell._tensor import Operand, Tensor
 from . import _init as init
-from ._module import Module
+from ._module import Module, members
 
 __all__ = [
     "MLP",
@@ -299,10 +299,12 @@ class MultiHeadAttention(Module):
     ``mask`` is boolean (True = attend) and broadcastable to
     ``(..., num_heads, Lq, Lk)``; a mask with as many dimensions as ``x``
     (``(..., Lq, Lk)``) is applied to every head. ``causal=True`` adds the
-    top-left aligned causal mask.
+    top-left aligned causal mask. ``dropout=p`` drops attention weights with
+    probability ``p`` in train mode (see :func:`tfl.attention`), as
+    ``torch.nn.MultiheadAttention(dropout=p)``; eval mode turns it off.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
-    >>> mha = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), causal=True)
+    >>> mha = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), causal=True, dropout=0.1)
     >>> with tfl.Session() as s:
     ...     mha(s.input(jnp.ones((3, 5, 8)))).shape
     (3, 5, 8)
@@ -316,11 +318,15 @@ class MultiHeadAttention(Module):
         key: PRNGKey | None = None,
         causal: bool = False,
         bias: bool = True,
+        dropout: float = 0.0,
         dtype: DTypeLike = jnp.float32,
     ) -> None:
         key = init.require_key(key, "MultiHeadAttention")
         if dim % num_heads:
             raise ValueError(f"MultiHeadAttention: dim={dim} is not divisible by num_heads={num_heads}")
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ValueError(f"MultiHeadAttention: dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
         self.dim = int(dim)
         self.num_heads = int(num_heads)
         self.head_dim = self.dim // self.num_heads
@@ -345,27 +351,36 @@ class MultiHeadAttention(Module):
         v = self._heads(self.v_proj(kv_in))
         if mask is not None and len(np.shape(mask)) == xq.ndim and xq.ndim >= 3:
             mask = F.expand_dims(mask, -3) if isinstance(mask, Tensor) else jnp.expand_dims(jnp.asarray(mask), -3)
-        o = F.attention(q, k, v, mask, causal=self.causal)  # (..., H, Lq, Dh)
+        if self.dropout:  # the train/eval mode is read (and keys compiled programs) only when it matters
+            o = F.attention(
+                q, k, v, mask, causal=self.causal, dropout=self.dropout, training=None if self.training else False
+            )
+        else:
+            o = F.attention(q, k, v, mask, causal=self.causal)  # (..., H, Lq, Dh)
         b = o.ndim - 3
         o = F.permute(o, tuple(range(b)) + (b + 1, b, b + 2))
         o = F.reshape(o, o.shape[:-2] + (self.dim,))
         return self.out_proj(o)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, causal={self.causal}"
+        drop = f", dropout={self.dropout}" if self.dropout else ""
+        return f"dim={self.dim}, num_heads={self.num_heads}, causal={self.causal}{drop}"
 
 
 class Sequential(Module):
     """Apply modules (or plain callables such as ``tfl.relu``) in order.
 
-    Its entries are stored in ``layers``, so parameter paths read
-    ``layers.0.weight``; a module passed twice is one set of parameters.
+    Its entries are named ``0``, ``1``, ... everywhere, as in
+    ``torch.nn.Sequential``: in the repr, in :meth:`named_parameters`
+    (``0.weight``) and in PyTorch state dicts (Flax's layout adds ``layers.``,
+    as ``nnx.Sequential`` does). The entries are stored in ``layers``; a module
+    passed twice is one set of parameters.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> k1, k2 = jax.random.split(jax.random.key(0))
     >>> net = tfl.nn.Sequential(tfl.nn.Linear(3, 4, key=k1), tfl.relu, tfl.nn.Linear(4, 1, key=k2))
     >>> [n for n, _ in net.named_parameters()]
-    ['layers.0.weight', 'layers.0.bias', 'layers.2.weight', 'layers.2.bias']
+    ['0.weight', '0.bias', '2.weight', '2.bias']
     >>> with tfl.Session() as s:
     ...     net(s.input(jnp.ones((2, 3)))).shape
     (2, 1)
@@ -391,8 +406,12 @@ class Sequential(Module):
     def __getitem__(self, i: int) -> Callable[..., Operand]:
         return self.layers[i]
 
+    def named_members(self) -> Iterator[tuple[str, Param | Module]]:
+        for i, m in enumerate(self.layers):
+            yield from members(m, str(i))
+
     def _repr_children(self) -> list[tuple[str, object]]:
-        return [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
+        return [(str(i), m) for i, m in enumerate(self.layers)]
 
 
 class MLP(Module):

@@ -26,16 +26,16 @@ from .._shell._state import note_mode_read
 __all__ = ["Module"]
 
 
-def _items(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
+def members(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
     """``(path, obj)`` for each Param / Module inside ``obj`` (containers flattened)."""
     if isinstance(obj, (Param, Module)):
         yield prefix, obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from _items(v, f"{prefix}.{k}")
+            yield from members(v, f"{prefix}.{k}")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _items(v, f"{prefix}.{i}")
+            yield from members(v, f"{prefix}.{i}")
 
 
 class Module:
@@ -129,7 +129,7 @@ class Module:
         ['w', 'blocks.0', 'blocks.1']
         """
         for name, value in list(vars(self).items()):
-            yield from _items(value, name)
+            yield from members(value, name)
 
     def _walk(self, prefix: str, path: tuple[int, ...]) -> Iterator[tuple[str, Param]]:
         path = path + (id(self),)
