@@ -495,3 +495,45 @@ def test_attention_dropout_steps_alike_on_every_path():
     np.testing.assert_allclose(float(loss), float(oracle), rtol=1e-6)
     for n, p in mha.named_parameters():
         np.testing.assert_allclose(np.asarray(p.value), before[n] - 0.1 * np.asarray(grads[n]), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- device indices under debug_nans
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_out_of_range_device_indices_are_errors_under_debug_nans(lazy):
+    emb = tfl.nn.Embedding(10, 4, key=jax.random.key(0))
+    ids = jnp.array([1, 12])  # on the device: reading it would wait, so only debug_nans looks
+    with tfl.Session(lazy=lazy) as s:
+        assert emb(ids).shape == (2, 4)  # JAX's semantics: the position is clamped
+    with tfl.Session(lazy=lazy, debug_nans=True) as s:
+        n = len(s.tape)
+        with pytest.raises(tfl.TapeError, match=r"take: operand #1 \(indices\) holds 12, out of range"):
+            emb(ids)
+        computed = s.input(jnp.array([0, 2])) * 3  # an index computed on the tape (lazy: not yet computed)
+        with pytest.raises(tfl.TapeError, match=r"take: operand #1 \(indices\) holds 6, out of range"):
+            tfl.take(s.input(jnp.ones((5, 3))), computed, axis=0)
+        assert len(s.tape) == n + 4  # two inputs, the constant 3 and the mul: the refused ops recorded nothing
+        # a label out of range makes a NaN loss instead, which the debug_nans search explains (its own test)
+        assert emb(jnp.array([0, 9])).shape == (2, 4)
+
+
+def test_out_of_range_device_indices_refuse_a_debug_nans_step_with_nothing_updated():
+    emb = tfl.nn.Embedding(10, 4, key=jax.random.key(0))
+    opt = tfl.Optimizer(optax.sgd(0.1), emb)
+    before = np.asarray(emb.weight.value)
+    step = tfl.train_step(lambda s, ids: tfl.sum(emb(ids) ** 2), opt, debug_nans=True)
+    step(jnp.array([1, 2]))  # in range: a normal step
+    after_good = np.asarray(emb.weight.value)
+    assert not np.array_equal(after_good, before)
+    with pytest.raises(tfl.TapeError, match=r"take: operand #1 \(indices\) holds 12, out of range"):
+        step(jnp.array([1, 12]))
+    np.testing.assert_array_equal(np.asarray(emb.weight.value), after_good)
+    assert step.step_count == 1
+    # without debug_nans the step runs with JAX's clamped position (no device wait is added)
+    tfl.train_step(lambda s, ids: tfl.sum(emb(ids) ** 2), opt)(jnp.array([1, 12]))
+
+    vg = jax.jit(tfl.value_and_grad(lambda s, ids: tfl.sum(emb(ids) ** 2), debug_nans=True))
+    vg(emb.param_dict(), jnp.array([3]))
+    with pytest.raises(Exception, match=r"holds 12, out of range"):  # under jax.jit JAX carries the text
+        jax.block_until_ready(vg(emb.param_dict(), jnp.array([12])))

@@ -163,6 +163,9 @@ class OpDef:
     # (specs, attrs) -> [(k, lo, hi, skip)]: operand k holds positions in [lo, hi), or the value skip (None: no
     # such value; cross_entropy's ignore_index), checked when given as host data
     index_bounds: Callable[..., Sequence[tuple[int, int, int, int | None]]] | None = None
+    # an out-of-range position is clamped (take, gather: debug_nans checks device values too); False: the op's
+    # result is NaN there (cross_entropy), and the debug_nans search explains it
+    index_clamps: bool = True
 
     @property
     def variadic(self) -> bool:
@@ -201,6 +204,7 @@ def op(
     tangent: bool = True,
     user: Callable[..., object] | None = None,
     index_bounds: Callable[..., Sequence[tuple[int, int, int, int | None]]] | None = None,
+    index_clamps: bool = True,
 ) -> Callable[[Callable[..., Array]], OpDef]:
     """Register the decorated function as the forward of op ``name``.
 
@@ -218,7 +222,10 @@ def op(
     are positions into an axis, with their range ``[lo, hi)`` (and one value allowed
     besides, or None): a session checks such an
     operand given as host data (NumPy, a list) before it records, so an index out
-    of range is an error there instead of a clamped row. ``user`` (the user's function) marks a user registration
+    of range is an error there instead of a clamped row. ``index_clamps=True``: the
+    forward clamps such a position, so under ``debug_nans`` a session reads device
+    values too (a wait for the device) and a traced step flags them; ``False``:
+    the result is NaN there, which the ``debug_nans`` search already names. ``user`` (the user's function) marks a user registration
     (:func:`tapeflow.lift`, :func:`tapeflow.defop`), which :func:`unregister` may remove again.
     """
     if precision not in get_args(OpPrecision):
@@ -255,6 +262,7 @@ def op(
             user=user is not None,
             source=user,
             index_bounds=index_bounds,
+            index_clamps=index_clamps,
         )
         return register(d)
 

@@ -250,6 +250,7 @@ def _ce_count(keep: Array, dtype: np.dtype) -> Array:
     check=_cross_entropy_check,
     precision="float32",
     index_bounds=lambda specs, ignore_index=-100, **_: [(1, 0, specs[0][0][-1], ignore_index)] if specs[0][0] else [],
+    index_clamps=False,  # a label out of range gives a NaN loss, which debug_nans explains
 )
 def cross_entropy(
     logits: Array, labels: Array, reduction: Reduction, ignore_index: int = -100, label_smoothing: float = 0.0

@@ -102,6 +102,12 @@ def check_host_indices(
             )
 
 
+def _checks_device_indices(opname: str) -> bool:
+    """Whether ``debug_nans`` reads op ``opname``'s device positions (ops that clamp an out-of-range one)."""
+    d = R.REGISTRY.get(opname)
+    return d is not None and d.index_bounds is not None and d.index_clamps
+
+
 class TapeGrowthWarning(UserWarning):
     """A session recorded another training step without a reset (its tape keeps growing)."""
 
@@ -232,6 +238,7 @@ class Session:
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
         self.debug_nans = debug_nans
         self._sites: Sites | None = Sites() if debug_nans else None  # debug_nans: where each node was recorded
+        self._index_flags: list[Array] = []  # debug_nans, traced: "every index of this op is in range", per op
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -504,6 +511,54 @@ class Session:
         self._register_param_leaf(h.id, parameter, storage)
 
     # -- ops -------------------------------------------------------------------
+    def _check_device_indices(
+        self,
+        d: R.OpDef,
+        specs: tuple[R.Spec, ...],
+        attrs: dict[str, object],
+        operands: tuple[Operand, ...],
+        plan: list[NodeId | Param | Array],
+        host: dict[int, object] | None,
+    ) -> None:
+        """debug_nans: the index check of device values too (a wait for the device; a traced value adds a flag).
+
+        A value JAX traces cannot be read: its check joins the step's finite
+        check (:meth:`index_guard`), and the host run that explains a refused
+        step reads it and raises here.
+        """
+        for k, lo, hi, skip in d.index_bounds(specs, **attrs) if d.index_bounds is not None else ():
+            o = operands[k]
+            if (host is not None and k in host) or isinstance(o, Param):
+                continue
+            if type(o) is Tensor:
+                v = o.value  # a lazy session computes it
+            else:
+                v = plan[k]
+            if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.integer):
+                continue
+            if isinstance(v, jax.core.Tracer):
+                ok = (v >= lo) & (v < hi)
+                self._index_flags.append(jnp.all(ok if skip is None else ok | (v == skip)))
+            else:
+                check_host_indices(d, specs, attrs, {k: np.asarray(v)})
+
+    def index_guard(self, value: Array) -> Array:
+        """``value``, or NaN where an index this trace recorded is out of range (``debug_nans``; else ``value``).
+
+        :func:`~tapeflow.train_step` and :func:`~tapeflow.value_and_grad` check
+        this in place of the loss: a bad index refuses the step as a non-finite
+        loss would, and the host run that explains the refusal names the op.
+
+        >>> import jax, jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> s.index_guard(jnp.float32(2.0)).tolist()
+        2.0
+        """
+        if not self._index_flags:
+            return value
+        ok = jnp.all(jnp.stack(self._index_flags))
+        return jnp.where(ok, value, jnp.asarray(jnp.nan, value.dtype))
+
     def apply(self, opname: str, *operands: Operand, **attrs: Any) -> Tensor:
         """Record registered op ``opname`` on this session; on any failure nothing changes.
 
@@ -536,7 +591,13 @@ class Session:
         t0 = self._tape
         ol = self._outline
         # the last recording's call, again? (a lazy session without a policy whose Params read their storages)
-        if ol is not None and ol.tape is t0 and not self._eagerly and self.precision is None:
+        if (
+            ol is not None
+            and ol.tape is t0
+            and not self._eagerly
+            and self.precision is None
+            and not (self.debug_nans and _checks_device_indices(opname))  # replay checks no index
+        ):
             n0 = ol.matched
             ev = ol.events.get(n0)
             if ev is not None and self._param_source is None:
@@ -590,8 +651,11 @@ class Session:
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
-        if host is not None and entry.opdef.index_bounds is not None:
-            check_host_indices(entry.opdef, tuple(specs), dict(entry.attrs), host)
+        if entry.opdef.index_bounds is not None:
+            if host is not None:
+                check_host_indices(entry.opdef, tuple(specs), dict(entry.attrs), host)
+            if self.debug_nans and _checks_device_indices(opname):
+                self._check_device_indices(entry.opdef, tuple(specs), dict(entry.attrs), operands, plan, host)
         lazy = self._mode == "lazy" and not self._eagerly
         if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
             lazy = False

@@ -232,7 +232,7 @@ def value_and_grad(
         gl, _ = _storage_grads(s, loss, storages)
         value = s.node(loss).value
         if debug:
-            _check_call(storages, [p.value for p in leaves], value, gl, rng, args, kwargs)
+            _check_call(storages, [p.value for p in leaves], s.index_guard(value), gl, rng, args, kwargs)
         grads = jax.tree_util.tree_unflatten(treedef, gl)
         out = ((value, aux), grads) if has_aux else (value, grads)
         if not has_state:
@@ -403,7 +403,10 @@ class TrainStep:
         overrides = dict(zip(storages, values))
         overrides.update(zip(self._extra, extra_values))  # extra_values always holds self._extra's values
         with mode_reads() as reads:
-            s, loss, aux = _trace_loss(self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype)
+            # debug_nans: the trace notes each op's line and flags out-of-range indices (Session.index_guard)
+            s, loss, aux = _trace_loss(
+                self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, debug_nans
+            )
         new = tuple(st for st in s.unlisted_storages if st not in self._extra)
         known = {id(r()) for r in self._moded}
         moded = [weakref.ref(m) for i, m in reads.items() if i not in known]
@@ -427,7 +430,7 @@ class TrainStep:
         self._state_cells.update((st.uid, st) for st in writes)
         state_out = {st.uid: v for st, v in writes.items()}
         loss_value = s.node(loss).value
-        loss_checked = loss_value if debug_nans else None
+        loss_checked = s.index_guard(loss_value) if debug_nans else None
         out = _step.step(opt.rule, parts, values, state, check_finite, loss_checked, keep_on_refusal=self.donate)
         next_counter = counter + 1
         if out.finite is not None and self.donate:  # a refused step hands back the counter it was given
