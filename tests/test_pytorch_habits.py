@@ -321,6 +321,12 @@ def test_op_functions_take_dim_and_keepdim_as_well():
         )
         with pytest.raises(TypeError, match="sum: pass axis= or dim="):
             tfl.sum(x, axis=0, dim=1)
+        # the methods follow the same rule (one home: _tensor.torch_alias)
+        with pytest.raises(TypeError, match="sum: pass keepdims= or keepdim="):
+            x.sum(keepdims=True, keepdim=False)
+        with pytest.raises(TypeError, match="std: pass axis= or dim="):
+            x.std(axis=0, dim=0)
+        assert x.sum(dim=1, keepdim=True).shape == tfl.sum(x, dim=1, keepdim=True).shape == (2, 1, 4)
 
 
 def test_stack_split_chunk_and_constants_follow_pytorch():

@@ -46,7 +46,7 @@ from .._core._result import TapeError
 from .._core._tape import check_op
 from .._ops import _math, _nn, _shape  # noqa: F401  (register the ops)
 from ._params import Param
-from ._tensor import Operand, Tensor, apply, record_op
+from ._tensor import Operand, Tensor, apply, record_op, torch_alias
 from ._tensor import session_of as _session_of
 
 _OpFunction = Callable[..., Tensor]
@@ -91,15 +91,6 @@ def _parameters(d: OpDef) -> list[inspect.Parameter]:
 
 
 _TORCH_NAMES = (("axis", "dim"), ("keepdims", "keepdim"))
-
-
-def _alias(opname: str, value: object, default: object, alias: object, names: tuple[str, str]) -> object:
-    """``value`` (NumPy's name), or ``alias`` (PyTorch's) when given; both given is an error."""
-    if alias is None:
-        return value
-    if value is not default and value != default:
-        raise TypeError(f"{opname}: pass {names[0]}= or {names[1]}= (the same thing), not both")
-    return tuple(alias) if isinstance(alias, list) else alias
 
 
 def _operand_note(d: OpDef) -> str:
@@ -206,7 +197,7 @@ def _make_function(d: OpDef, fname: str | None = None) -> _OpFunction:
     params = _parameters(d)
     src = _source(d, fname, params)
     filename = f"<tapeflow generated {fname}>"
-    ns: dict[str, object] = {"_record": record_op, "_sequence": _sequence, "_gap": _gap, "_alias": _alias}
+    ns: dict[str, object] = {"_record": record_op, "_sequence": _sequence, "_gap": _gap, "_alias": torch_alias}
     ns.update({f"_d_{p.name}": p.default for p in params if p.default is not _P.empty})
     exec(compile(src, filename, "exec"), ns)
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # readable tracebacks

@@ -28,7 +28,7 @@ import contextvars
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import jax
 import numpy as np
@@ -151,18 +151,28 @@ def _varargs(args: tuple[int | Sequence[int], ...]) -> tuple[int | Sequence[int]
     return tuple(args)
 
 
-def _axis(axis: R.Axes | None, dim: R.Axes | None) -> R.Axes | None:
-    """NumPy's ``axis=`` or PyTorch's ``dim=`` (not both)."""
-    if dim is None:
-        return axis
-    if axis is not None:
-        raise TypeError("pass axis= or dim= (the same thing), not both")
-    return tuple(dim) if isinstance(dim, list) else dim
+def torch_alias(opname: str, value: object, default: object, alias: object, names: tuple[str, str]) -> object:
+    """``value`` (NumPy's ``axis=`` / ``keepdims=``), or ``alias`` (PyTorch's ``dim=`` / ``keepdim=``) when given.
+
+    Giving both (``value`` not at its ``default``) is an error: the one rule of
+    op functions and Tensor methods alike.
+
+    >>> torch_alias("sum", None, None, [0, 1], ("axis", "dim"))
+    (0, 1)
+    """
+    if alias is None:
+        return value
+    if value is not default and value != default:
+        raise TypeError(f"{opname}: pass {names[0]}= or {names[1]}= (the same thing), not both")
+    return tuple(alias) if isinstance(alias, list) else alias
 
 
-def _keep(keepdims: bool, keepdim: bool | None) -> bool:
-    """NumPy's ``keepdims=`` or PyTorch's ``keepdim=``."""
-    return bool(keepdims if keepdim is None else keepdim)
+def _axis(opname: str, axis: R.Axes | None, dim: R.Axes | None) -> R.Axes | None:
+    return cast("R.Axes | None", torch_alias(opname, axis, None, dim, ("axis", "dim")))
+
+
+def _keep(opname: str, keepdims: bool, keepdim: bool | None) -> bool:
+    return bool(torch_alias(opname, keepdims, False, keepdim, ("keepdims", "keepdim")))
 
 
 def _reduction(opname: str, doc: str, *, negate: bool = False) -> Callable[..., Tensor]:
@@ -177,7 +187,7 @@ def _reduction(opname: str, doc: str, *, negate: bool = False) -> Callable[..., 
         keepdim: bool | None = None,
     ) -> Tensor:
         x: Operand = apply("neg", self) if negate else self
-        out = apply(opname, x, axis=_axis(axis, dim), keepdims=_keep(keepdims, keepdim))
+        out = apply(opname, x, axis=_axis(opname, axis, dim), keepdims=_keep(opname, keepdims, keepdim))
         return apply("neg", out) if negate else out
 
     method.__doc__ = doc
@@ -197,7 +207,8 @@ def _spread(*, root: bool) -> Callable[..., Tensor]:
         keepdim: bool | None = None,
         correction: int | None = None,
     ) -> Tensor:
-        ax, keep = _axis(axis, dim), _keep(keepdims, keepdim)
+        name = "std" if root else "var"
+        ax, keep = _axis(name, axis, dim), _keep(name, keepdims, keepdim)
         d = ddof if correction is None else int(correction)
         shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
         n = math.prod(shape) if ax is None else math.prod(shape[a] for a in ((ax,) if isinstance(ax, int) else ax))
@@ -350,13 +361,13 @@ class TensorOps:
         self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
     ) -> Tensor:
         """The position of the maximum (an integer, no gradient), as ``jnp.argmax`` / ``torch.argmax``."""
-        return _positions("argmax", self, _axis(axis, dim), _keep(keepdims, keepdim))
+        return _positions("argmax", self, _axis("argmax", axis, dim), _keep("argmax", keepdims, keepdim))
 
     def argmin(
         self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
     ) -> Tensor:
         """The position of the minimum (an integer, no gradient), as ``jnp.argmin`` / ``torch.argmin``."""
-        return _positions("argmin", self, _axis(axis, dim), _keep(keepdims, keepdim))
+        return _positions("argmin", self, _axis("argmin", axis, dim), _keep("argmin", keepdims, keepdim))
 
     # PyTorch's names for the shape ops
     def view(self, *shape: int | Sequence[int]) -> Tensor:
