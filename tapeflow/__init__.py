@@ -84,13 +84,13 @@ from ._shell._functions import (  # every public op, generated from the registry
     transpose,
     where,
 )
-from ._shell._grads import Grads, ParameterGroup
+from ._shell._grads import Grads, ParameterGroup, clip_grad_norm
 from ._shell._params import Param, Storage, canonical_indices, tie
 from ._shell._remat import checkpoint
 from ._shell._session import RationalFallbackWarning, Session, TapeGrowthWarning
 from ._shell._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
 from ._shell._torch_names import arange, chunk, full, ones, split, stack, zeros
-from ._train._functional import TrainStep, param_values, train_step, value_and_grad
+from ._train._functional import StepStats, TrainStep, param_values, train_step, value_and_grad
 from ._train._optim import Optimizer
 
 __version__ = "0.1.0"
@@ -116,6 +116,7 @@ __all__ = [
     "Result",
     "Session",
     "StateWriteError",
+    "StepStats",
     "Storage",
     "Tape",
     "TapeError",
@@ -139,6 +140,7 @@ __all__ = [
     "chunk",
     "clamp",
     "clear_kernel_caches",
+    "clip_grad_norm",
     "compile_log",
     "concat",
     "conv2d",

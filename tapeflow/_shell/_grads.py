@@ -22,16 +22,20 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeAlias, cast
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from .._core._backward import add_cotangents
+from .._core._checks import is_number
 from .._core._result import TapeError
 from .._core._typing import Array, NodeId
 from ._debug import NonFiniteCheck
 from ._params import Param, Storage, canonical_indices
 from ._tensor import Tensor
 
-__all__ = ["Grads", "ParameterGroup", "group_parameter_leaves", "sum_in_leaf_order"]
+__all__ = ["Grads", "ParameterGroup", "clip_grad_norm", "group_parameter_leaves", "sum_in_leaf_order"]
 
 ParameterRecord: TypeAlias = object
 """What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
@@ -111,10 +115,26 @@ class Grads(Mapping[GradKey, Array]):
       very same array).
     * ``grads[tensor]`` / ``grads[node_id]``: the raw cotangent of one leaf.
     * ``grads.groups``: the :class:`ParameterGroup` s of the recording.
+    * ``g1 + g2``, ``sum([g1, g2])``, ``g * 0.5``, ``g / k``: per-storage
+      gradients added and scaled (gradient accumulation: several ``backward``
+      calls, then one ``opt.step(total)``). The result is a ``Grads`` of no
+      recording: one entry per storage, read with ``grads[param]``; a tied
+      weight stays one entry, its uses summed.
+    * :meth:`global_norm`: the L2 norm over every storage, a tied one counted once.
 
     It holds its buffers until released: use it as a context manager (or call
     :meth:`release`); releasing twice is safe. Releasing drops the references,
     so JAX frees every buffer nobody else holds, and never one the user kept.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
+    >>> s = tfl.Session()
+    >>> total = 0
+    >>> for x in (1.0, 3.0):       # two microbatches, one step
+    ...     with s:
+    ...         total = total + s.backward(tfl.sum(w * x))
+    >>> (total / 2)[w].tolist(), round(float(total.global_norm()) ** 2, 3)
+    ([2.0, 2.0], 32.0)
     """
 
     def __init__(
@@ -299,6 +319,66 @@ class Grads(Mapping[GradKey, Array]):
         self._by_leaf = {}
         self._sums = {}
 
+    # -- arithmetic (gradient accumulation) -------------------------------------
+    @classmethod
+    def of_storages(cls, entries: Sequence[tuple[ParameterRecord, Storage, Array]]) -> Grads:
+        """A ``Grads`` of no recording: one group per ``(parameter, storage, gradient)`` entry."""
+        groups = [ParameterGroup(i, prm, (i,), st) for i, (prm, st, _) in enumerate(entries)]
+        return cls({i: v for i, (_, _, v) in enumerate(entries)}, groups, owner=-1, generation=-1)
+
+    def _entries(self) -> list[tuple[ParameterRecord, Storage, Array]]:
+        self._check_live()
+        out = []
+        for g in self.groups:
+            if g.storage is not None:
+                v = self.group_value(g)
+                if v is not None:
+                    out.append((g.parameter, g.storage, v))
+        return out
+
+    def __add__(self, other: object) -> Grads:
+        if not isinstance(other, Grads):
+            return NotImplemented
+        merged: dict[int, tuple[ParameterRecord, Storage, Array]] = {}
+        for prm, st, v in self._entries() + other._entries():
+            got = merged.get(id(st))
+            if got is not None and (got[2].shape, got[2].dtype) != (v.shape, v.dtype):
+                raise TapeError(
+                    f"Grads + Grads: the gradients of {prm!r} have different shapes or dtypes "
+                    f"({got[2].dtype}{list(got[2].shape)} and {v.dtype}{list(v.shape)}); add gradients of one model"
+                )
+            merged[id(st)] = (prm, st, v) if got is None else (got[0], st, sum_in_leaf_order([got[2], v]))
+        return Grads.of_storages(list(merged.values()))
+
+    def __radd__(self, other: object) -> Grads:
+        if isinstance(other, (int, float)) and other == 0:  # sum([g1, g2, ...]) and total = 0 starts
+            return self * 1
+        return NotImplemented
+
+    def __mul__(self, c: object) -> Grads:
+        if not _is_scalar(c):
+            return NotImplemented
+        return Grads.of_storages([(p, st, v * jnp.asarray(c, v.dtype)) for p, st, v in self._entries()])
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, c: object) -> Grads:
+        if not _is_scalar(c):
+            return NotImplemented
+        return Grads.of_storages([(p, st, v / jnp.asarray(c, v.dtype)) for p, st, v in self._entries()])
+
+    def global_norm(self) -> Array:
+        """The L2 norm of all gradients, each storage once (a tied weight's summed gradient counted once).
+
+        As ``optax.global_norm`` of the optimizer's per-storage gradients and the
+        value ``torch.nn.utils.clip_grad_norm_`` returns; computed in at least
+        float32. A lazy session's gradients are computed here.
+        """
+        vals = [v for _, _, v in self._entries()]
+        if not vals:
+            return jnp.zeros((), jnp.float32)
+        return global_norm_of(vals)
+
     def __enter__(self) -> Grads:
         return self
 
@@ -312,3 +392,44 @@ class Grads(Mapping[GradKey, Array]):
             else f"{len(self._by_leaf) if self.pending is None else 'pending'} leaves, {len(self.groups)} parameter groups"
         )
         return f"Grads({state})"
+
+
+def _is_scalar(c: object) -> bool:
+    return is_number(c) or (isinstance(c, (jax.Array, np.ndarray)) and np.ndim(c) == 0)
+
+
+@jax.jit
+def global_norm_of(values: list[Array]) -> Array:
+    """The L2 norm over ``values`` (each squared and summed in at least float32), one compiled reduction."""
+
+    def sq(v: Array) -> Array:
+        v = v.astype(jnp.promote_types(v.dtype, jnp.float32))
+        return jnp.sum(v * v)
+
+    return jnp.sqrt(sum(sq(v) for v in values))
+
+
+def clip_grad_norm(grads: Grads, max_norm: ArrayLike) -> tuple[Grads, Array]:
+    """``(clipped, norm)``: ``grads`` scaled so their global norm is at most ``max_norm``, and the norm before.
+
+    PyTorch's ``torch.nn.utils.clip_grad_norm_`` rule: every gradient is
+    multiplied by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is
+    :meth:`Grads.global_norm` (a tied weight counted once). ``clipped`` is a
+    new :class:`Grads` for ``opt.step``; ``grads`` is left as it was. (Inside an
+    optax chain, ``optax.clip_by_global_norm`` clips the same gradients but its
+    norm cannot be read.)
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.array([3.0, 4.0]), name="w")
+    >>> with tfl.Session() as s:
+    ...     clipped, norm = tfl.clip_grad_norm(s.backward(tfl.sum(w * w) / 2), 1.0)
+    >>> float(norm), [round(v, 4) for v in clipped[w].tolist()]
+    (5.0, [0.6, 0.8])
+    """
+    if not isinstance(grads, Grads):
+        raise TypeError(f"clip_grad_norm expects the tfl.Grads of a backward, got {type(grads).__name__}")
+    if not _is_scalar(max_norm) or not float(max_norm) > 0:  # type: ignore[arg-type]
+        raise ValueError(f"clip_grad_norm: max_norm must be a positive number, got {max_norm!r}")
+    norm = grads.global_norm()
+    coef = jnp.minimum(1.0, jnp.asarray(max_norm, norm.dtype) / (norm + 1e-6))
+    return grads * coef, norm

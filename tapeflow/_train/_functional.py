@@ -21,7 +21,7 @@ import functools
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, TypeAlias, TypedDict, Unpack
+from typing import Any, NamedTuple, TypeAlias, TypedDict, Unpack, cast
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from .._core._tiered import maybe_tiered
 from .._core._typing import Array, DTypeLike, OptState, PRNGKey, PyTree
 from .._shell._commit import traced_write
 from .._shell._debug import debug_nans_default, finite_flag
+from .._shell._grads import global_norm_of
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
@@ -302,8 +303,9 @@ class _Retrace(Exception):
 class TrainStepOptions(TypedDict, total=False):
     """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
 
-    >>> sorted(TrainStepOptions.__annotations__)
-    ['compute_dtype', 'data_axis', 'debug_nans', 'donate', 'has_aux', 'mesh', 'param_specs', 'seed', 'static_argnames']
+    >>> sorted(TrainStepOptions.__annotations__)  # doctest: +NORMALIZE_WHITESPACE
+    ['compute_dtype', 'data_axis', 'debug_nans', 'donate', 'has_aux', 'mesh', 'microbatches', 'param_specs',
+     'return_stats', 'seed', 'static_argnames']
     """
 
     mesh: Mesh | None
@@ -315,6 +317,48 @@ class TrainStepOptions(TypedDict, total=False):
     static_argnames: tuple[str, ...] | list[str] | str
     compute_dtype: DTypeLike | None
     debug_nans: bool | None
+    microbatches: int
+    return_stats: bool
+
+
+class StepStats(NamedTuple):
+    """What ``train_step(..., return_stats=True)`` returns beside the loss, from the same program.
+
+    ``grad_norm``: the global L2 norm of the gradients the update used (each
+    storage once, before any clipping inside the optax chain), as
+    :meth:`Grads.global_norm`; ``update_norm``: the L2 norm of the change of
+    the parameters (0 for a refused step).
+    """
+
+    grad_norm: Array
+    update_norm: Array
+
+
+def _split(tree: PyTree, k: int, where: str) -> tuple[list[Array], Callable[[list[Array]], PyTree]]:
+    """The array leaves of ``tree`` cut into ``k`` microbatches along axis 0 (leading axis ``k``), and a rebuild.
+
+    Leaves that are not arrays of rank >= 1 (Python numbers, flags) are the
+    same for every microbatch.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    cut = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and len(x.shape) >= 1]
+    xs = []
+    for i in cut:
+        x = leaves[i]
+        if x.shape[0] % k:
+            raise TapeError(
+                f"{where}: argument leaf {i} has {x.shape[0]} rows along its first axis, which do not split into "
+                f"microbatches={k} equal parts; pass a batch whose size is a multiple of {k}"
+            )
+        xs.append(jnp.reshape(x, (k, x.shape[0] // k) + tuple(x.shape[1:])))
+
+    def rebuild(parts: list[Array]) -> PyTree:
+        out = list(leaves)
+        for i, part in zip(cut, parts):
+            out[i] = part
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return xs, rebuild
 
 
 class TrainStep:
@@ -341,7 +385,13 @@ class TrainStep:
         static_argnames: tuple[str, ...] | list[str] | str = (),
         compute_dtype: DTypeLike | None = None,
         debug_nans: bool | None = None,
+        microbatches: int = 1,
+        return_stats: bool = False,
     ) -> None:
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"train_step: microbatches must be a positive int, got {microbatches!r}")
+        self.microbatches = microbatches
+        self.return_stats = bool(return_stats)
         self.loss_fn = loss_fn
         self.debug_nans = debug_nans_default(debug_nans)
         self.compute_dtype = compute_dtype
@@ -360,6 +410,7 @@ class TrainStep:
         self._log_key = object()  # counts this step's compiles in the compile log (holds nothing)
         static = (5, 6, 8, 9)
         jitted = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=static)
+        self._jitted = jitted
         self._compiled = maybe_tiered(jitted, static)  # each new signature in two tiers, when that is on
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
@@ -386,7 +437,7 @@ class TrainStep:
         extra_values: list[Array],
         modes: tuple[tuple[int, bool], ...],
         debug_nans: bool = False,
-    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None, dict[int, Array]]:
+    ) -> tuple[list[Array], OptState, Array, Array, PyTree, Array | None, dict[int, Array], StepStats | None]:
         self.trace_count += 1
         leaves, treedef = jax.tree_util.tree_flatten((values, state, counter, args, kwargs, extra_values))
         signature = (treedef, tuple(jax.typeof(x) for x in leaves), static_kwargs, modes)
@@ -402,10 +453,21 @@ class TrainStep:
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), counter)
         overrides = dict(zip(storages, values))
         overrides.update(zip(self._extra, extra_values))  # extra_values always holds self._extra's values
+        mb = self.microbatches
+        if mb > 1:  # the first microbatch is traced here, the others in a scan (microbatch j: key fold_in(key, j))
+            xs, rebuild = _split((args, kwargs), mb, "train_step")
+            args, kwargs = rebuild([x[0] for x in xs])
         with mode_reads() as reads:
             # debug_nans: the trace notes each op's line and flags out-of-range indices (Session.index_guard)
             s, loss, aux = _trace_loss(
-                self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, debug_nans
+                self.loss_fn,
+                self.has_aux,
+                overrides,
+                jax.random.fold_in(key, 0) if mb > 1 else key,
+                args,
+                kwargs,
+                self.compute_dtype,
+                debug_nans,
             )
         new = tuple(st for st in s.unlisted_storages if st not in self._extra)
         known = {id(r()) for r in self._moded}
@@ -427,15 +489,83 @@ class TrainStep:
                     f"train_step: loss_fn assigned {opt.describe(k)} as state and also trains it; a storage is "
                     "either a state cell or a trained parameter"
                 )
-        self._state_cells.update((st.uid, st) for st in writes)
-        state_out = {st.uid: v for st, v in writes.items()}
         loss_value = s.node(loss).value
         loss_checked = s.index_guard(loss_value) if debug_nans else None
+        if mb > 1:
+            parts, writes, loss_value, loss_checked, aux = self._accumulate(
+                xs, rebuild, overrides, key, parts, writes, loss_value, loss_checked, aux, debug_nans
+            )
+        self._state_cells.update((st.uid, st) for st in writes)
+        state_out = {st.uid: v for st, v in writes.items()}
         out = _step.step(opt.rule, parts, values, state, check_finite, loss_checked, keep_on_refusal=self.donate)
         next_counter = counter + 1
         if out.finite is not None and self.donate:  # a refused step hands back the counter it was given
             next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
-        return out.values, out.state, next_counter, loss_value, aux, out.finite, state_out
+        stats = None
+        if self.return_stats:
+            used = [p[0] for p in parts if p is not None]
+            moved = [n - v for n, v, p in zip(out.values, values, parts) if p is not None]
+            zero = jnp.zeros((), jnp.float32)
+            stats = StepStats(global_norm_of(used) if used else zero, global_norm_of(moved) if moved else zero)
+        return out.values, out.state, next_counter, loss_value, aux, out.finite, state_out, stats
+
+    def _accumulate(
+        self,
+        xs: list[Array],
+        rebuild: Callable[[list[Array]], PyTree],
+        overrides: dict[Storage, Array],
+        key: PRNGKey,
+        parts: list[tuple[Array, ...] | None],
+        writes: Mapping[Storage, Array],
+        loss_value: Array,
+        loss_checked: Array | None,
+        aux: PyTree,
+        debug_nans: bool,
+    ) -> tuple[list[tuple[Array, ...] | None], dict[Storage, Array], Array, Array | None, PyTree]:
+        """Microbatches 1..k-1 in one ``lax.scan`` after the first: gradients and losses averaged.
+
+        The scan carries the summed gradients, the summed loss and the state
+        cells (BatchNorm's running statistics move microbatch by microbatch, as
+        in k separate steps); ``aux`` is stacked along a new first axis.
+        """
+        k = self.microbatches
+        storages = self.optimizer.storages
+        used = [p is not None for p in parts]
+        cells = list(writes)
+
+        def body(carry: tuple[Any, ...], x: tuple[Array, list[Array]]) -> tuple[tuple[Any, ...], PyTree]:
+            gsum, lsum, csum, cell_values = carry
+            j, part = x
+            ov = dict(overrides)
+            ov.update(zip(cells, cell_values))
+            a, kw = rebuild(part)
+            s2, loss2, aux2 = _trace_loss(
+                self.loss_fn, self.has_aux, ov, jax.random.fold_in(key, j), a, kw, self.compute_dtype, debug_nans
+            )
+            g2 = s2.backward(loss2)
+            got = [None if g is None else g2.group_value(g) for g in map(g2.group_of, storages)]
+            w2 = s2.state_writes
+            if [v is not None for v in got] != used or set(w2) - set(cells):
+                raise TapeError(
+                    "train_step(microbatches=...): a microbatch used other parameters or assigned other state "
+                    "than the first; every microbatch must run the same model code"
+                )
+            lv = s2.node(loss2).value
+            new_g = tuple(acc + v for acc, v in zip(gsum, (v for v in got if v is not None)))
+            new_cells = [w2.get(st, v) for st, v in zip(cells, cell_values)]
+            checked = csum if csum is None else csum + s2.index_guard(lv)
+            return (new_g, lsum + lv, checked, new_cells), aux2
+
+        init = (tuple(p[0] for p in parts if p is not None), loss_value, loss_checked, [writes[st] for st in cells])
+        (gsum, lsum, csum, cell_values), aux_rest = jax.lax.scan(
+            body, init, (jnp.arange(1, k, dtype=jnp.uint32), [x[1:] for x in xs])
+        )
+        means = iter([g / jnp.asarray(k, g.dtype) for g in gsum])
+        parts = [(next(means),) if u else None for u in used]
+        if aux is not None:
+            aux = jax.tree_util.tree_map(lambda first, rest: jnp.concatenate([first[None], rest]), aux, aux_rest)
+        n = jnp.asarray(k, lsum.dtype)
+        return parts, dict(zip(cells, cell_values)), lsum / n, None if csum is None else csum / n, aux
 
     # -- sharding --------------------------------------------------------------
     def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
@@ -506,7 +636,7 @@ class TrainStep:
             vals = [jax.device_put(v, repl) for v in vals]
         return vals
 
-    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Array | tuple[Array, PyTree]:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         with self.optimizer.lock:  # steps over one optimizer, from any thread, run one at a time
             if not self.donate:
                 return self._call(args, kwargs)
@@ -514,7 +644,22 @@ class TrainStep:
             with deferred_interrupts():
                 return self._call(args, kwargs)
 
-    def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> Array | tuple[Array, PyTree]:
+    def lower(self, *args: PyTree, **kwargs: PyTree) -> jax.stages.Lowered:
+        """The program a call with this batch runs, lowered by JAX; nothing runs and nothing changes.
+
+        ``step.lower(x, y).compile().memory_analysis()`` gives the program's
+        buffer sizes (how much ``microbatches`` saves); ``.as_text()`` its StableHLO.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> w = tfl.Param(jnp.ones(3), name="w")
+        >>> step = tfl.train_step(lambda s, x: tfl.sum(w * x), tfl.Optimizer(optax.sgd(0.1), [w]))
+        >>> "stablehlo" in step.lower(jnp.ones(3)).as_text(), step.step_count
+        (True, 0)
+        """
+        with self.optimizer.lock:
+            return cast(jax.stages.Lowered, self._call(args, kwargs, lower=True))
+
+    def _call(self, args: tuple[PyTree, ...], kwargs: dict[str, PyTree], lower: bool = False) -> PyTree:
         opt = self.optimizer
         # a batch of concrete arrays holds no tracer: anything else is looked at leaf by leaf
         if kwargs or operator.countOf(map(type, args), concrete_array_type()) != len(args):
@@ -541,9 +686,10 @@ class TrainStep:
         extra = self._extra
         extra_values = self._read_extra(extra) if extra else []
         self._mode_retrace = True
+        run: Callable[..., Any] = self._jitted.lower if lower else self._compiled
         while True:
             try:
-                out = self._compiled(
+                out = run(
                     values,
                     state,
                     self._counter,
@@ -568,7 +714,9 @@ class TrainStep:
                         "them from a checkpoint; with donate=False (the default) a failed step keeps them"
                     ) from e
                 raise
-        new_vals, new_state, counter, loss, aux, flags, state_out = out
+        if lower:
+            return out
+        new_vals, new_state, counter, loss, aux, flags, state_out, stats = out
         cells = [(self._state_cells[uid], v) for uid, v in state_out.items()] if state_out else []
         # one device: the trace checked shape and dtype, and the program leaves each value on the device
         # of the cell it read, so the fast write into that cell is exact; parameters, optimizer state,
@@ -595,7 +743,8 @@ class TrainStep:
             self._counter = counter
             self.step_count += 1
             self._counter_step = self.step_count
-        return (loss, aux) if self.has_aux else loss
+        result = (loss, aux) if self.has_aux else loss
+        return (result, stats) if self.return_stats else result
 
     def _explain(
         self,
@@ -670,6 +819,20 @@ def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainSte
       new value compiles a new program.
     * ``compute_dtype``: the mixed-precision policy of the session ``loss_fn``
       records on, as ``Session(compute_dtype=...)`` (float32 master weights).
+    * ``microbatches`` (default 1): gradient accumulation inside the program. Each
+      array argument is cut into ``microbatches`` equal parts along its first axis
+      (other arguments are passed to every part); ``loss_fn`` runs on each part in
+      turn (a ``jax.lax.scan``, so only one part's activations are live at a time),
+      and the step applies the mean of the parts' gradients and returns the mean of
+      their losses: for a loss that is a mean over the batch, the full-batch step
+      within float32 rounding. State cells move part by part (BatchNorm's running
+      statistics see k updates, as in k separate steps, and each part normalizes
+      with its own batch statistics); part ``j`` draws its random tensors from
+      ``fold_in(step_key, j)``; with ``has_aux``, ``aux`` gets a leading axis of
+      length ``microbatches``.
+    * ``return_stats`` (default False): the step returns ``(result, stats)``, a
+      :class:`StepStats` of the global gradient norm and the update norm computed
+      in the same program (no extra dispatch); ``result`` is what it returns otherwise.
     * ``debug_nans`` (None: the environment variable ``TAPEFLOW_DEBUG_NANS``): the
       program also checks that the loss and every gradient are finite; a step
       that is not raises :class:`~tapeflow.NonFiniteError` with nothing updated,

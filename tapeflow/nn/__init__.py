@@ -33,6 +33,7 @@ from ._layers import (
 from ._module import Module
 from ._norm import BatchNorm1d, BatchNorm2d
 from ._recurrent import GRUCell, LSTMCell
+from ._summary import Summary, SummaryRow, summary
 
 __all__ = [
     "MLP",
@@ -48,10 +49,13 @@ __all__ = [
     "Module",
     "MultiHeadAttention",
     "Sequential",
+    "Summary",
+    "SummaryRow",
     "TiedLinear",
     "init",
     "load_nnx_state",
     "load_state_dict",
     "nnx_state",
     "state_dict",
+    "summary",
 ]

@@ -10,11 +10,18 @@ Storage identity decides aliasing: a sub-module used in two places, or a
 :func:`~tapeflow.tie` d record, appears once in :meth:`Module.parameters`
 (under its first path in :meth:`Module.named_parameters`) and once per
 registration in :meth:`Module.parameter_records`.
+
+:func:`observe_calls` notes each module call's output while it is open (what
+:func:`tfl.nn.summary <tapeflow.nn.summary>` reads); closed, a call pays one
+flag read for it.
 """
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Self
 
 from .._core import _treescope
@@ -23,7 +30,44 @@ from .._shell import _debug
 from .._shell._params import Param, canonical_indices
 from .._shell._state import note_mode_read
 
-__all__ = ["Module"]
+__all__ = ["Module", "observe_calls", "observing"]
+
+observing = 0
+"""How many :func:`observe_calls` blocks are open, in any thread (``Module.__call__`` reads it per call)."""
+
+_observing_lock = threading.Lock()
+_OBSERVERS: contextvars.ContextVar[tuple[list[tuple[Module, Any]], ...]] = contextvars.ContextVar(
+    "tapeflow_module_observers", default=()
+)
+
+
+@contextmanager
+def observe_calls() -> Iterator[list[tuple[Module, Any]]]:
+    """A list that gets ``(module, output)`` for each :class:`Module` call returning inside the block.
+
+    Only calls in this thread (or asyncio task) are noted, in the order they
+    return (inner calls first); a call that raises is not noted. Blocks nest:
+    each open block gets every call. Once every block is closed,
+    ``Module.__call__`` is back on its fast path.
+
+    >>> import jax, jax.numpy as jnp, tapeflow as tfl
+    >>> lin = tfl.nn.Linear(3, 2, key=jax.random.key(0))
+    >>> with observe_calls() as calls, tfl.Session() as s:
+    ...     _ = lin(s.input(jnp.ones((4, 3))))
+    >>> [(type(m).__name__, out.shape) for m, out in calls]
+    [('Linear', (4, 2))]
+    """
+    global observing
+    calls: list[tuple[Module, Any]] = []
+    token = _OBSERVERS.set((*_OBSERVERS.get(), calls))
+    with _observing_lock:
+        observing += 1
+    try:
+        yield calls
+    finally:
+        with _observing_lock:
+            observing -= 1
+        _OBSERVERS.reset(token)
 
 
 def members(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
@@ -107,14 +151,19 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _debug.tracking:
+        if not _debug.tracking and not observing:
             return self.forward(*args, **kwargs)
-        stack = _debug.module_stack()  # debug_nans: which module call recorded each op
-        stack.append(self)
+        stack = _debug.module_stack() if _debug.tracking else None  # debug_nans: which module call recorded each op
+        if stack is not None:
+            stack.append(self)
         try:
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
         finally:
-            stack.pop()
+            if stack is not None:
+                stack.pop()
+        for calls in _OBSERVERS.get():  # observe_calls: this call's output, once it returned
+            calls.append((self, out))
+        return out
 
     # -- discovery ---------------------------------------------------------------
     def named_members(self) -> Iterator[tuple[str, Param | Module]]:
