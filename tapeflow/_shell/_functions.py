@@ -259,29 +259,7 @@ def attention(
     dropout: float = 0.0,
     training: bool | None = None,
 ) -> Tensor:
-    """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``, with optional dropout of the weights.
-
-    ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims
-    broadcast. ``scale`` defaults to ``1/sqrt(D)``. ``mask`` is boolean,
-    broadcastable to (..., Lq, Lk), True = attend; it gets no gradient.
-    ``causal=True`` additionally keeps key ``j`` for query ``i`` only when
-    ``j <= i`` (top-left aligned, as ``jax.nn.dot_product_attention``). A query
-    row with every key masked attends to nothing: its output is 0 and it
-    passes zero gradient (never NaN). Records the ``attention`` op.
-
-    ``dropout=p`` zeroes each attention weight (after the softmax) with
-    probability ``p`` and scales the rest by ``1 / (1 - p)``, as the
-    ``dropout_p`` of ``torch.nn.functional.scaled_dot_product_attention``. The
-    mask comes from the session's seeded RNG (one counter step per call, none
-    for a call that is refused). As :func:`dropout`, it is off when ``p == 0``,
-    in an inference session, or when ``training=False``.
-
-    >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> with tfl.Session(seed=0) as s:
-    ...     q = s.input(jnp.ones((2, 4, 8)))
-    ...     tfl.attention(q, q, q, causal=True, dropout=0.1).shape
-    (2, 4, 8)
-    """
+    # the docstring is the op's, followed by _ATTENTION_CALL (set below)
     attrs: dict[str, object] = {"scale": scale, "causal": causal}
     ops: tuple[Operand, ...] = (q, k, v) if mask is None else (q, k, v, mask)
     if not is_number(dropout) or not 0.0 <= float(dropout) < 1.0:
@@ -301,6 +279,17 @@ def attention(
     return record_op("attention", full + (keep,), attrs | {"dropout": float(dropout)})
 
 
+_ATTENTION_CALL = """Records the ``attention`` op. As :func:`dropout`, the dropout is off when
+``dropout == 0``, in an inference session, or when ``training=False``; a
+call that is refused draws nothing from the RNG.
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> with tfl.Session(seed=0) as s:
+...     q = s.input(jnp.ones((2, 4, 8)))
+...     tfl.attention(q, q, q, causal=True, dropout=0.1).shape
+(2, 4, 8)
+"""
+attention.__doc__ = "\n\n".join((REGISTRY["attention"].doc, REGISTRY["attention"].notes, _ATTENTION_CALL))
 attention.__module__ = "tapeflow"
 scaled_dot_product_attention = attention
 __all__.sort()

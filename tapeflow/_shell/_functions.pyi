@@ -102,7 +102,7 @@ def attention(
     dropout: float = 0.0,
     training: bool | None = None,
 ) -> Tensor:
-    """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``, with optional dropout of the weights.
+    """Scaled dot-product attention ``softmax(q @ k^T * scale) @ v``.
 
     ``q`` (..., Lq, D), ``k`` (..., Lk, D), ``v`` (..., Lk, Dv); batch dims
     broadcast. ``scale`` defaults to ``1/sqrt(D)``. ``mask`` is boolean,
@@ -110,14 +110,15 @@ def attention(
     ``causal=True`` additionally keeps key ``j`` for query ``i`` only when
     ``j <= i`` (top-left aligned, as ``jax.nn.dot_product_attention``). A query
     row with every key masked attends to nothing: its output is 0 and it
-    passes zero gradient (never NaN). Records the ``attention`` op.
+    passes zero gradient (never NaN). ``dropout=p`` drops attention weights
+    after the softmax with probability ``p`` and scales the rest by
+    ``1 / (1 - p)``, as ``torch.nn.functional.scaled_dot_product_attention``'s
+    ``dropout_p``; the boolean ``keep`` operand (True = kept) is drawn from the
+    session's RNG by ``tfl.attention``. The VJP recomputes the softmax.
 
-    ``dropout=p`` zeroes each attention weight (after the softmax) with
-    probability ``p`` and scales the rest by ``1 / (1 - p)``, as the
-    ``dropout_p`` of ``torch.nn.functional.scaled_dot_product_attention``. The
-    mask comes from the session's seeded RNG (one counter step per call, none
-    for a call that is refused). As :func:`dropout`, it is off when ``p == 0``,
-    in an inference session, or when ``training=False``.
+    Records the ``attention`` op. As :func:`dropout`, the dropout is off when
+    ``dropout == 0``, in an inference session, or when ``training=False``; a
+    call that is refused draws nothing from the RNG.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session(seed=0) as s:

@@ -21,13 +21,16 @@ which :func:`~tapeflow.train_step` traces into its program.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, TypeAlias, cast
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from functools import partial
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .._core import _compile_log
@@ -35,7 +38,7 @@ from .._core._device import device_of
 from .._core._kernels import KernelCache
 from .._core._result import TapeError
 from .._core._typing import Array, ArrayLike, NodeId, OptState, PyTree
-from .._shell._commit import commit
+from .._shell._commit import commit, traced_write
 from .._shell._grads import Grads, ParameterGroup, sum_in_leaf_order
 from .._shell._lazy import LazyGrads
 from .._shell._params import Param, Storage, canonical_indices
@@ -85,6 +88,84 @@ def _init_state(rule: SlotRule, params: PyTree) -> OptState:
         return rule.tx.init(params)
 
 
+def _free_key(key: str, taken: Mapping[str, object]) -> str:
+    """``key``, or ``key`` with a suffix, that ``taken`` does not hold."""
+    out, n = key, 1
+    while out in taken:
+        out, n = f"{key}.{n}", n + 1
+    return out
+
+
+def _torch_names(group: Mapping[str, Any], where: str, what: str) -> dict[str, Any]:
+    """A group's hyperparameters with PyTorch's names made optax's: ``lr`` -> ``learning_rate``, ``betas`` -> ``b1``, ``b2``."""
+    out: dict[str, Any] = {}
+    for k, v in group.items():
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: {what} has the key {k!r}; hyperparameters are named by strings")
+        out[k] = v
+    if "lr" in out:
+        if "learning_rate" in out:
+            raise ValueError(f"{where}: {what} gives both lr and learning_rate (the same hyperparameter); keep one")
+        out["learning_rate"] = out.pop("lr")
+    if "betas" in out:
+        betas = out.pop("betas")
+        if "b1" in out or "b2" in out:
+            raise ValueError(f"{where}: {what} gives both betas and b1/b2 (the same hyperparameters); keep one")
+        try:
+            out["b1"], out["b2"] = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {what} has betas={betas!r}; PyTorch's betas is a pair (b1, b2)") from None
+    return out
+
+
+def _parameters_of(fn: Callable[..., object]) -> str:
+    """`` (name, name, ...)`` of ``fn``'s parameters for a message, or nothing when they cannot be read."""
+    try:
+        return f" ({', '.join(inspect.signature(fn).parameters)})"
+    except (TypeError, ValueError):
+        return ""
+
+
+def _is_injected(x: object) -> bool:
+    """An ``optax.inject_hyperparams`` state (it holds the ``hyperparams`` dict)."""
+    return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+
+def _groups_on(path: tuple[Any, ...]) -> list[Hashable]:
+    """The ``optax.multi_transform`` labels along a key path (``.inner_states[label]``)."""
+    return [
+        key.key
+        for prev, key in zip(path, path[1:])
+        if isinstance(prev, jax.tree_util.GetAttrKey)
+        and prev.name == "inner_states"
+        and isinstance(key, jax.tree_util.DictKey)
+    ]
+
+
+def _hyperparam_value(old: object, value: object, what: str, where: str) -> object:
+    """``value`` as ``old`` is held (dtype, shape, placement), so a compiled update takes it unchanged."""
+    if isinstance(value, jax.core.Tracer):
+        raise traced_write(where, f"the new value of {what}")
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise TypeError(f"{where}: {what} must be a number, got {type(value).__name__}: {e}") from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{where}: {what} must be a number, got {type(value).__name__} {value!r:.60}; to follow a schedule, pass "
+            "it to inject_hyperparams instead (optax.inject_hyperparams(optax.adamw)(learning_rate=schedule))"
+        )
+    dtype, shape = np.dtype(getattr(old, "dtype", arr.dtype)), tuple(np.shape(cast(Any, old)))
+    if arr.shape != shape:
+        raise ValueError(f"{where}: {what} holds a value of shape {shape}, got one of shape {arr.shape}")
+    cast_ = arr.astype(dtype)
+    if dtype.kind in "biu" and not np.array_equal(cast_, arr):
+        raise ValueError(f"{where}: {what} is a {dtype} hyperparameter; {value!r} is not one")
+    if isinstance(old, jax.Array):
+        return jax.device_put(cast_, old.sharding) if old.committed else jax.device_put(cast_)
+    return cast_
+
+
 class Optimizer:
     """Optax transformation ``tx`` over the storages of ``params``.
 
@@ -103,6 +184,10 @@ class Optimizer:
       jit-compatible function of the slot values (what ``train_step`` compiles).
     * ``opt.lock``: steps (eager or compiled) over this optimizer from several
       threads are serialized on it, and each step's write-back is one unit.
+    * ``Optimizer.from_groups(groups, base)``: PyTorch's ``param_groups``, one
+      ``optax.multi_transform`` label per group.
+    * ``opt.set_hyperparams(learning_rate=...)``: change a hyperparameter of an
+      ``optax.inject_hyperparams`` transformation between steps, with no recompile.
 
     A trainable parameter that the recording did not use is skipped, as PyTorch
     skips a parameter whose ``.grad`` is None: its value and its per-parameter
@@ -129,6 +214,177 @@ class Optimizer:
         self._records, names = records_of(params)
         self._names = names
         self._init_slots()
+
+    @classmethod
+    def from_groups(
+        cls,
+        groups: Sequence[Mapping[str, Any]],
+        base: Callable[..., optax.GradientTransformation] = optax.adamw,
+        *,
+        check_finite: bool = False,
+        **defaults: Any,
+    ) -> Optimizer:
+        """An optimizer over parameter groups with their own hyperparameters, as PyTorch's ``param_groups``.
+
+        Each group is a dict ``{"params": ..., **hyperparameters}``: ``params`` a
+        module (its trainable Params), a list of Params or a dict ``name -> Param``;
+        the other keys are keyword arguments of ``base`` (an optax optimizer
+        factory such as ``optax.adamw``), with PyTorch's ``lr`` meaning
+        ``learning_rate`` and ``betas=(b1, b2)`` meaning ``b1=``, ``b2=``.
+        ``defaults`` fill the keys a group leaves out, as in PyTorch. The result
+        is a plain :class:`Optimizer` over ``optax.multi_transform({0: base(**group0),
+        1: base(**group1), ...}, labels)``: its optax params pytree is a dict
+        keyed by each storage's name (its path in a module, its key in a dict,
+        its ``Param.name`` in a list; ``"<group>.<position>"`` where that name is
+        missing or already taken), and ``opt.state.inner_states[k]`` is group
+        ``k``'s optax state.
+
+        A storage belongs to one group: the same Param (or two Params tied with
+        :func:`~tapeflow.tie`, which share ``p.storage``) in two groups is a
+        ``ValueError`` that names it. To change a group's learning rate between
+        steps, wrap the factory: ``base=optax.inject_hyperparams(optax.adamw)``,
+        then :meth:`set_hyperparams`.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> w, b = tfl.Param(jnp.ones((2, 2)), name="w"), tfl.Param(jnp.ones(2), name="b")
+        >>> opt = tfl.Optimizer.from_groups(
+        ...     [{"params": [w], "weight_decay": 0.1}, {"params": [b], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3
+        ... )
+        >>> opt.slot_keys, list(opt.state.inner_states)
+        (['w', 'b'], [0, 1])
+        """
+        where = "Optimizer.from_groups"
+        if isinstance(groups, (Mapping, str)) or not isinstance(groups, Sequence) or not groups:
+            raise TypeError(
+                f"{where}: groups must be a non-empty list of dicts such as {{'params': model_or_params, 'lr': 1e-3}}, "
+                f"got {type(groups).__name__}"
+            )
+        base_name = getattr(base, "__qualname__", None) or repr(base)
+        named: dict[str, Param] = {}  # every registration, under a distinct key (the Optimizer's params)
+        owner: dict[int, tuple[int, str, Param]] = {}  # storage -> (its group, its key, its first Param)
+        labels: dict[str, int] = {}  # slot key -> group
+        transforms: dict[int, optax.GradientTransformation] = {}
+        for g, group in enumerate(groups):
+            if not isinstance(group, Mapping) or "params" not in group:
+                raise TypeError(
+                    f"{where}: group {g} is {type(group).__name__}"
+                    f"{'' if not isinstance(group, Mapping) else ' without a params entry'}; each group is a dict "
+                    "with 'params' (a module, a list of Params or a dict name -> Param) and its hyperparameters, "
+                    "e.g. {'params': no_decay, 'weight_decay': 0.0}"
+                )
+            try:
+                recs, names = records_of(group["params"])
+            except TypeError as e:
+                raise TypeError(f"{where}: group {g}: {e}") from e
+            for j, p in enumerate(recs):
+                name = names[j] if names is not None else p.name
+                key = name if name and name not in named else _free_key(f"{g}.{j}", named)
+                first = owner.get(id(p.storage))
+                if first is not None and first[0] != g:
+                    raise ValueError(
+                        f"{where}: {first[2]!r} is in group {first[0]} (as {first[1]!r}) and in group {g} (as "
+                        f"{key!r}); an optimizer updates a storage once, with one group's hyperparameters (Params "
+                        "tied with tfl.tie share one storage, p.storage): put it in one group only"
+                    )
+                named[key] = p
+                if first is None:
+                    owner[id(p.storage)] = (g, key, p)
+                    labels[key] = g
+        for g, group in enumerate(groups):  # every group's parameters are checked before any transformation is built
+            kwargs = {**_torch_names(defaults, where, "defaults"), **_torch_names(group, where, f"group {g}")}
+            kwargs.pop("params", None)
+            try:
+                transforms[g] = base(**kwargs)
+            except TypeError as e:
+                raise TypeError(
+                    f"{where}: group {g}: {base_name}(**{kwargs}) failed ({e}); a group's keys other than 'params' "
+                    f"are keyword arguments of base{_parameters_of(base)}, and values every group shares can "
+                    "be given once: Optimizer.from_groups(groups, lr=1e-3)"
+                ) from e
+        return cls(optax.multi_transform(transforms, labels), named, check_finite=check_finite)
+
+    def set_hyperparams(self, *, group: Hashable | None = None, **values: ArrayLike) -> None:
+        """Change hyperparameters of an ``optax.inject_hyperparams`` transformation between steps.
+
+        ``opt.set_hyperparams(learning_rate=3e-4)`` writes the value into the
+        ``hyperparams`` of the optimizer state's ``inject_hyperparams`` part
+        (``opt.state.hyperparams["learning_rate"]`` for
+        ``tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)``),
+        converted to the dtype, shape and placement of the value it replaces, so
+        the next eager step and the next :func:`~tapeflow.train_step` call use it
+        without compiling again (a plain Python float written into the dict by
+        hand would change the program's signature and compile it again). For an
+        optimizer over several groups (:meth:`from_groups` with
+        ``base=optax.inject_hyperparams(optax.adamw)``, or any
+        ``optax.multi_transform`` of them) it sets every group, as PyTorch's
+        ``for g in opt.param_groups: g["lr"] = lr``; ``group=k`` sets only group
+        ``k``.
+
+        Everything is checked first (each name is a hyperparameter of every part
+        it sets and not one a schedule recomputes each step; each value is a
+        number that fits), then the new state is written through the one commit:
+        all of it, or nothing. A scheduled hyperparameter (passed to
+        ``inject_hyperparams`` as a function of the step count) follows its
+        schedule; ``opt.state.hyperparams`` shows its current value.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> w = tfl.Param(jnp.array(1.0), name="w")
+        >>> opt = tfl.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), [w])
+        >>> opt.set_hyperparams(learning_rate=0.25)
+        >>> with tfl.Session() as s:
+        ...     opt.step(s.backward(w * 2.0))
+        >>> float(w.value), float(opt.state.hyperparams["learning_rate"])   # 1.0 - 0.25 * 2.0
+        (0.5, 0.25)
+        """
+        where = "Optimizer.set_hyperparams"
+        if not values:
+            raise TypeError(f"{where}: no values given; name them, e.g. opt.set_hyperparams(learning_rate=3e-4)")
+        with self.lock:
+            state = self.state
+            leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_injected)
+            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_injected)[0]]
+            found = [i for i, leaf in enumerate(leaves) if _is_injected(leaf)]
+            if not found:
+                raise TypeError(
+                    f"{where}: this optimizer's state ({type(state).__name__}) holds no optax.inject_hyperparams "
+                    "state, so its hyperparameters are constants of the update; build the transformation with "
+                    "optax.inject_hyperparams, e.g. tfl.Optimizer(optax.inject_hyperparams(optax.adamw)"
+                    "(learning_rate=1e-3), model), or Optimizer.from_groups(groups, "
+                    "base=optax.inject_hyperparams(optax.adamw))"
+                )
+            if group is not None:
+                known = list(dict.fromkeys(g for i in found for g in _groups_on(paths[i])))
+                found = [i for i in found if group in _groups_on(paths[i])]
+                if not found:
+                    raise ValueError(
+                        f"{where}: no group {group!r} with an inject_hyperparams state; "
+                        + (
+                            f"this optimizer's groups are {known}"
+                            if known
+                            else "this optimizer's state has no groups (optax.multi_transform): call without group="
+                        )
+                    )
+            new = list(leaves)
+            for i in found:
+                node = leaves[i]
+                at = f"opt.state{jax.tree_util.keystr(paths[i])}"
+                hyper = dict(node.hyperparams)
+                scheduled = getattr(node, "hyperparams_states", None) or {}
+                for name, value in values.items():
+                    if name not in hyper:
+                        raise TypeError(
+                            f"{where}: {name!r} is not a hyperparameter of {at}; its hyperparameters are "
+                            f"{sorted(hyper)} (only numeric arguments of the inject_hyperparams factory are)"
+                        )
+                    if name in scheduled:
+                        raise ValueError(
+                            f"{where}: {name!r} of {at} follows a schedule, which sets it again from the step "
+                            "count at every step; pass a number for it to inject_hyperparams to set it by hand, "
+                            "or give the schedule the values you want"
+                        )
+                    hyper[name] = _hyperparam_value(hyper[name], value, f"{name!r} of {at}", where)
+                new[i] = type(node)(*[hyper if field is node.hyperparams else field for field in node])
+            commit(where=where, then=[partial(setattr, self, "state", jax.tree_util.tree_unflatten(treedef, new))])
 
     # -- layout ----------------------------------------------------------------
     def _init_slots(self) -> None:

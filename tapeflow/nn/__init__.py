@@ -18,6 +18,7 @@ included), and only record ops, so they run eagerly in a
 """
 
 from . import _init as init
+from ._groups import NO_DECAY_MODULES, decay_mask, param_labels
 from ._interop import load_nnx_state, load_state_dict, nnx_state, state_dict
 from ._layers import (
     MLP,
@@ -37,6 +38,7 @@ from ._summary import Summary, SummaryRow, summary
 
 __all__ = [
     "MLP",
+    "NO_DECAY_MODULES",
     "BatchNorm1d",
     "BatchNorm2d",
     "Conv2d",
@@ -52,10 +54,12 @@ __all__ = [
     "Summary",
     "SummaryRow",
     "TiedLinear",
+    "decay_mask",
     "init",
     "load_nnx_state",
     "load_state_dict",
     "nnx_state",
+    "param_labels",
     "state_dict",
     "summary",
 ]
