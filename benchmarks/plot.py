@@ -3,7 +3,9 @@
 Reads one or more results files (written by ``bench_*.py --json PATH``) and
 
 * renders SVG charts into ``--out-dir`` (deterministic: the same JSON gives the
-  same bytes):
+  same bytes), drawn for the docs' page column: 7 in wide, horizontal bars
+  grouped under each model's or op's name, every text >= 10.5 pt (>= 14 px on
+  the page; ``tests/test_figures.py`` checks it):
 
   - ``perf_train.svg``: time per training step of each model, one bar per
     variant found in the ``train`` section (``eager``, ``train_step``,
@@ -249,6 +251,18 @@ def caption(runs: Iterable[Run]) -> str:
 # --------------------------------------------------------------------------- charts
 
 
+# Charts are drawn for the docs' page column: 7 in wide at 72 pt per inch is 504 pt, shown at its
+# natural 672 CSS px (<= the ~690 px column, so never shrunk), and every text is >= 10.5 pt, seen
+# at >= 14 px (tests/test_figures.py checks >= 12 px for every picture of the docs).
+FIG_W = 7.0  # inches
+FONT = 11.0  # pt: ticks, labels, titles
+SMALL = 10.5  # pt: bar notes, legend, caption
+ROW_IN = 0.3  # inches per bar
+LEFT_IN = 2.3  # room for the variant names
+RIGHT_IN = 0.2
+LABEL_CHARS = 24  # a variant name longer than this takes two lines
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -260,7 +274,7 @@ def _pyplot() -> Any:
             "svg.hashsalt": "tapeflow-benchmarks",  # fixed ids: the same input gives the same SVG
             "svg.fonttype": "none",  # text stays text: small files, searchable labels
             "font.family": "DejaVu Sans",
-            "font.size": 9,
+            "font.size": FONT,
         }
     )
     import matplotlib.pyplot as plt
@@ -268,67 +282,150 @@ def _pyplot() -> Any:
     return plt
 
 
-def grouped_bars(
-    ax: Any,
-    groups: Sequence[str],
-    variants: Sequence[str],
-    value: Callable[[str, str], float | None],
-    text: Callable[[str, str], str | None],
-    palette: dict[str, str],
-    log: bool,
-    marker: Callable[[str, str], float | None] | None = None,
-    marker_label: str = "",
-) -> None:
-    """One cluster of bars per group, one bar per variant that has a value there (in the order
-    of ``variants``, centred on the group: a group with fewer variants has no gaps).
+@dataclass
+class Panel:
+    """One axes of a chart: a header row per group, then one horizontal bar per variant the group has."""
 
-    ``marker`` (optional) draws a black line across a bar at another value (its baseline).
+    title: str
+    groups: Sequence[str]
+    variants: Sequence[str]
+    value: Callable[[str, str], float | None]
+    text: Callable[[str, str], str | None]
+    xlabel: str
+    log: bool
+    marker: Callable[[str, str], float | None] | None = None
+    marker_label: str = ""
+
+    def row_in(self) -> float:
+        """Inches per row: taller where a variant's name takes two lines."""
+        two = any("\n" in wrap(label(v), LABEL_CHARS) for _, v in self.rows() if v is not None)
+        return ROW_IN * (1.45 if two else 1.0)
+
+    def rows(self) -> list[tuple[str, str | None]]:
+        """``(group, variant)`` from top to bottom; ``variant`` None is the group's header row."""
+        out: list[tuple[str, str | None]] = []
+        for g in self.groups:
+            present = [v for v in self.variants if self.value(g, v) is not None]
+            if present:
+                out += [(g, None), *((g, v) for v in present)]
+        return out
+
+
+def _ticker() -> Any:
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
+def hbars(ax: Any, panel: Panel, palette: dict[str, str]) -> bool:
+    """Draw ``panel`` on ``ax``: bold group names, a bar per variant with its note at the bar's end.
+
+    ``panel.marker`` (optional) draws a black tick across a bar at another value (its baseline).
+    Returns whether a marker was drawn.
     """
-    present = {g: [v for v in variants if value(g, v) is not None] for g in groups}
-    width = 0.8 / max([1, *(len(vs) for vs in present.values())])
+    rows = panel.rows()
+    ys = list(range(len(rows)))[::-1]
     marked = False
-    for v in variants:
-        xs, ys, notes = [], [], []
-        for i, g in enumerate(groups):
-            y = value(g, v)
-            if y is None:
-                continue
-            j, n = present[g].index(v), len(present[g])
-            xs.append(i + width * (j - (n - 1) / 2))
-            ys.append(y)
-            notes.append(text(g, v))
-            m = None if marker is None else marker(g, v)
-            if m is not None:
-                x = xs[-1]
-                ax.plot(
-                    [x - width * 0.46, x + width * 0.46],
-                    [m, m],
-                    color="black",
-                    lw=1.6,
-                    label=None if marked else marker_label,
-                )
-                marked = True
-        if not xs:
+    values = [val for g, var in rows if var is not None and (val := panel.value(g, var)) is not None]
+    for y, (g, v) in zip(ys, rows):
+        if v is None:
             continue
-        bars = ax.bar(xs, ys, width * 0.92, label=label(v), color=palette[v])
-        for bar, note in zip(bars, notes):
-            if note:
-                h = bar.get_height()
-                ax.annotate(
-                    note,
-                    (bar.get_x() + bar.get_width() / 2, h if h >= 0 else 0),
-                    xytext=(0, 2),
-                    textcoords="offset points",
-                    ha="center",
-                    va="bottom",
-                    fontsize=6.5,
-                )
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([wrap(g, 16) for g in groups])
-    if log:
-        ax.set_yscale("log")
-    ax.grid(axis="y", alpha=0.3, which="both")
+        x = panel.value(g, v)
+        assert x is not None
+        ax.barh([y], [x], 0.72, color=palette[v], left=None)
+        note = panel.text(g, v)
+        if note:
+            ax.annotate(
+                note,
+                (max(x, 0.0), y),
+                xytext=(4, 0),
+                textcoords="offset points",
+                ha="left",
+                va="center",
+                fontsize=SMALL,
+            )
+        m = None if panel.marker is None else panel.marker(g, v)
+        if m is not None:
+            ax.plot([m, m], [y - 0.42, y + 0.42], color="black", lw=1.8, label=None if marked else panel.marker_label)
+            marked = True
+    bar_rows = [(y, v) for y, (_, v) in zip(ys, rows) if v is not None]
+    ax.set_yticks([y for y, _ in bar_rows], [wrap(label(v), LABEL_CHARS) for _, v in bar_rows])
+    x0 = -(LEFT_IN - 0.1) / (FIG_W - LEFT_IN - RIGHT_IN)  # the figure's left edge, in axes coordinates
+    for y, (g, v) in zip(ys, rows):
+        if v is None:  # the group's name, left-aligned above its bars
+            ax.text(
+                x0,
+                y,
+                wrap(g, 48),
+                transform=ax.get_yaxis_transform(),
+                ha="left",
+                va="center",
+                fontweight="bold",
+                fontsize=FONT,
+            )
+    ax.tick_params(axis="y", length=0)
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    if panel.log:
+        ax.set_xscale("log")
+        lo, hi = min(v for v in values if v > 0), max(values)
+        ax.set_xlim(lo / 2, hi * 12)  # room for the notes right of the longest bar
+        # plain numbers (0.1, 1, 10), not mathtext powers, whose small exponents would be hard to read
+        ax.xaxis.set_major_formatter(_ticker().FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(_ticker().NullFormatter())
+    else:
+        lo, hi = min([0.0, *values]), max([0.0, *values])
+        ax.set_xlim(lo - 0.05 * (hi - lo), hi + 0.45 * (hi - lo or 1.0))
+        ax.axvline(0, color="black", lw=0.6)
+    ax.grid(axis="x", alpha=0.3, which="both")
     ax.set_axisbelow(True)
+    ax.set_xlabel(panel.xlabel, fontsize=FONT)
+    ax.set_title(panel.title, fontsize=FONT, loc="left", fontweight="bold")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return marked
+
+
+def draw_panels(
+    plt: Any, panels: Sequence[Panel], palette: dict[str, str], heading: str, runs: Iterable[Run], path: Path
+) -> Path:
+    """Stack ``panels`` in one chart ``FIG_W`` inches wide, each as tall as its rows; heading and caption around."""
+    cap = caption_lines(runs)
+    head_in = 0.3 + 0.22 * heading.count("\n")
+    legend_in = 0.3 if any(p.marker for p in panels) else 0.0
+    cap_in = 0.12 + 0.19 * len(cap)
+    pane_in = [p.row_in() * len(p.rows()) for p in panels]
+    gap_in = 0.95  # x label, ticks and the next title
+    fig_h = head_in + sum(pane_in) + gap_in * len(panels) + legend_in + cap_in
+    fig = plt.figure(figsize=(FIG_W, fig_h))
+    fig.text(0.5 / FIG_W, 1 - 0.12 / fig_h, heading, fontsize=FONT, va="top", ha="left")
+    top = fig_h - head_in - 0.3
+    marked_any = None
+    for p, h in zip(panels, pane_in):
+        ax = fig.add_axes((LEFT_IN / FIG_W, (top - h) / fig_h, 1 - (LEFT_IN + RIGHT_IN) / FIG_W, h / fig_h))
+        if hbars(ax, p, palette):
+            marked_any = ax
+        top -= h + gap_in
+    if marked_any is not None:
+        handles, labels = marked_any.get_legend_handles_labels()
+        fig.legend(
+            handles,
+            labels,
+            fontsize=SMALL,
+            loc="lower left",
+            frameon=False,
+            bbox_to_anchor=(0.5 / FIG_W, (cap_in + 0.02) / fig_h),
+        )
+    for k, line in enumerate(cap):
+        fig.text(
+            0.1 / FIG_W,
+            (0.08 + 0.19 * (len(cap) - 1 - k)) / fig_h,
+            line,
+            fontsize=SMALL,
+            color="#555555",
+            va="bottom",
+            ha="left",
+        )
+    return _save(plt, fig, path)
 
 
 def wrap(text: str, width: int) -> str:
@@ -342,6 +439,24 @@ def wrap(text: str, width: int) -> str:
     return "\n".join(lines)
 
 
+def caption_lines(runs: Iterable[Run], width: int = 82) -> list[str]:
+    """:func:`caption` broken into lines that fit the chart's width (at ``"; "`` and ``", "``)."""
+    out: list[str] = []
+    for line in caption(runs).splitlines():
+        head, _, versions = line.partition("; ")
+        out.append(head)
+        cur = ""
+        for part in versions.split(", "):
+            if cur and len(cur) + 2 + len(part) > width - 2:
+                out.append("  " + cur + ",")
+                cur = part
+            else:
+                cur = part if not cur else f"{cur}, {part}"
+        if cur:
+            out.append("  " + cur)
+    return out
+
+
 def _span(values: Iterable[float]) -> float:
     vs = [v for v in values if v > 0]
     return max(vs) / min(vs) if vs else 1.0
@@ -350,8 +465,7 @@ def _span(values: Iterable[float]) -> float:
 FORMAT = "svg"
 
 
-def _finish(plt: Any, fig: Any, runs: Iterable[Run], path: Path) -> Path:
-    fig.text(0.01, 0.01, caption(runs), fontsize=6.5, color="#555555", va="bottom", ha="left")
+def _save(plt: Any, fig: Any, path: Path) -> Path:
     path = path.with_suffix("." + FORMAT)
     path.parent.mkdir(parents=True, exist_ok=True)
     if FORMAT == "svg":
@@ -391,24 +505,27 @@ def plot_train(runs: Sequence[Run], out_dir: Path) -> Path | None:
         if ref is None or v == ref:
             return t
         ratio = ratio_to(r, ref, recs)
-        return t if ratio is None else f"{t}\n{ratio:.2f}{TIMES}"
+        return t if ratio is None else f"{t} ({ratio:.2f}{TIMES})"
 
-    n_bars = sum(1 for m in models for v in variants if (m, v) in recs)
-    fig_w = min(20.0, max(8.0, 1.5 + 0.6 * n_bars))
-    fig, ax = plt.subplots(figsize=(fig_w, 4.8))
-    fig.subplots_adjust(left=0.7 / fig_w, right=1 - 0.15 / fig_w, top=0.88, bottom=0.27)
     log = _span(r.time_us or 0 for r in recs.values()) > 8
-    grouped_bars(ax, models, variants, value, text, colors(variants), log)
-    ax.set_ylabel("time per training step (ms" + (", log scale)" if log else ")"))
     ref_names = sorted({label(r) for r in refs.values() if r})
-    ax.set_title(
-        "Training step: forward, backward, Adam update (float32; batch 64 unless the model says otherwise)\n"
-        f"ratio = time / {' or '.join(ref_names) or 'reference'}; lower is better",
-        fontsize=9.5,
+    panel = Panel(
+        "",
+        models,
+        variants,
+        value,
+        text,
+        "ms per training step" + (" (log scale)" if log else ""),
+        log,
     )
-    ax.margins(y=0.15)
-    ax.legend(fontsize=7.5, ncols=min(len(variants), 5), loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    return _finish(plt, fig, {r.run for r in recs.values()}, out_dir / "perf_train.svg")
+    heading = (
+        "Training step: forward, backward, Adam update\n"
+        "(float32; batch 64 unless the model says otherwise)\n"
+        f"in brackets: time / {' or '.join(ref_names) or 'reference'}; lower is better"
+    )
+    return draw_panels(
+        plt, [panel], colors(variants), heading, {r.run for r in recs.values()}, out_dir / "perf_train.svg"
+    )
 
 
 def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
@@ -427,12 +544,7 @@ def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
     # the baselines (the jax.jit calls) are drawn as a line across each bar, from the bar's own run
     shown = [v for v in variants if v not in baselines]
     base_name = " or ".join(sorted(label(b) for b in baselines if b)) or "baseline"
-
     over_ops = [m for m in ops if any(k[0] == m for k in over)]
-    n1, n2 = len(ops), max(1, len(over_ops))
-    fig_w = min(18.0, max(9.5, 3.0 + 1.4 * (n1 + n2)))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(fig_w, 4.6), gridspec_kw={"width_ratios": [n1, n2]})
-    fig.subplots_adjust(left=0.7 / fig_w, right=1 - 0.1 / fig_w, top=0.86, bottom=0.3, wspace=0.25)
 
     def value(m: str, v: str) -> float | None:
         r = recs.get((m, v))
@@ -442,12 +554,6 @@ def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
         r = recs.get((m, v))
         return None if r is None or r.time_us is None else fmt_us(r.time_us)
 
-    log = _span(r.time_us or 0 for r in recs.values()) > 8
-    grouped_bars(a1, ops, shown, value, text, palette, log, lambda m, v: base.get((m, v)), f"{base_name} (same run)")
-    a1.set_ylabel("µs per op" + (" (log scale)" if log else ""))
-    a1.set_title("time per op", fontsize=9)
-    a1.margins(y=0.15)
-
     def ovalue(m: str, v: str) -> float | None:
         return over.get((m, v))
 
@@ -455,15 +561,34 @@ def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
         o = over.get((m, v))
         return None if o is None else f"{o:+.1f} µs"
 
-    grouped_bars(a2, over_ops, over_variants, ovalue, otext, palette, False)
-    a2.axhline(0, color="black", lw=0.6)
-    a2.set_ylabel(f"µs per op over the {base_name}")
-    a2.set_title(f"overhead per recorded op (time {MINUS} {base_name})", fontsize=9)
-    a2.margins(y=0.15)
-    fig.suptitle(f"Per-op cost: recording an op vs the same kernel as a {base_name}", fontsize=10)
-    handles, labels = a1.get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7.5, ncols=len(labels), loc="lower center", bbox_to_anchor=(0.5, 0.12))
-    return _finish(plt, fig, {r.run for r in recs.values()}, out_dir / "perf_per_op.svg")
+    log = _span(r.time_us or 0 for r in recs.values()) > 8
+    panels = [
+        Panel(
+            "time per op",
+            ops,
+            shown,
+            value,
+            text,
+            "µs per op" + (" (log scale)" if log else ""),
+            log,
+            lambda m, v: base.get((m, v)),
+            f"{base_name} (same run)",
+        )
+    ]
+    if over_ops:
+        panels.append(
+            Panel(
+                f"overhead per recorded op (time {MINUS} {base_name})",
+                over_ops,
+                over_variants,
+                ovalue,
+                otext,
+                f"µs per op over the {base_name}",
+                False,
+            )
+        )
+    heading = f"Per-op cost: recording an op vs the same kernel\nas a {base_name}"
+    return draw_panels(plt, panels, palette, heading, {r.run for r in recs.values()}, out_dir / "perf_per_op.svg")
 
 
 # --------------------------------------------------------------------------- markdown

@@ -816,6 +816,34 @@ def test_to_dot_contains_every_node_and_edge():
     assert tfl.Tape.empty().to_dot().count("->") == 0
 
 
+def test_to_dot_names_leaves_and_draws_the_storages_they_read():
+    t, (a, b, c, ab, abc, e, z), _ = _three_leaf_tape()
+    dot = t.to_dot(labels={a: "W", b: "W_dec", c: "b"}, storages={a: "W storage", b: "W storage", c: "b storage"})
+    lines = [ln.strip() for ln in dot.splitlines()]
+    assert any(ln.startswith(f'n{a} [label="#{a} leaf W (tied)') for ln in lines)
+    assert any(ln.startswith(f'n{b} [label="#{b} leaf W_dec (tied)') for ln in lines)
+    assert any(ln.startswith(f'n{c} [label="#{c} leaf b\\n') for ln in lines)
+    assert lines.count('s0 [label="W storage", shape=cylinder, style=filled, fillcolor="#fde7d9"];') == 1
+    assert f's0 -> n{a} [style=dashed, color="#c2410c", label="cotangents summed"];' in lines
+    assert f's0 -> n{b} [style=dashed, color="#c2410c", label="cotangents summed"];' in lines
+    assert f's1 -> n{c} [style=dashed, color="#c2410c"];' in lines  # one reader: not tied
+    html = t._repr_html_(labels={a: "W"}, storages={a: "W storage", b: "W storage"})
+    assert "<th>name</th><th>storage</th>" in html and "<td>W</td><td>W storage (tied)</td>" in html
+    assert "<th>name</th>" not in t._repr_html_()  # without labels: the table as before
+
+
+def test_session_to_dot_names_param_leaves():
+    W = tfl.Param(jnp.ones((3, 2), jnp.float32), name="W")
+    with tfl.Session() as s:
+        h = s.input(jnp.ones((1, 3), jnp.float32)) @ W
+        tfl.sum(h @ tfl.tie(W, name="W_dec").T)
+        names, storages = s.leaf_names(), s.leaf_storages()
+        dot = s.to_dot()
+        assert dot == s.tape.to_dot(labels=names, storages=storages)
+    assert list(names.values()) == ["W", "W_dec"] and set(storages.values()) == {"W storage"}
+    assert "leaf W (tied)" in dot and "leaf W_dec (tied)" in dot and dot.count("cotangents summed") == 2
+
+
 def test_node_fields():
     t, x = tfl.leaf(tfl.Tape.empty(), jnp.ones((2, 3)), requires_grad=True)
     t, s = rec(t, "sum", (x,), axis=1, keepdims=True)

@@ -25,7 +25,7 @@ value sharing that node sees it; nothing else about a node ever changes.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -154,50 +154,102 @@ class Tape:
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         return _treescope.render_tape(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
-    def to_dot(self) -> str:
+    def to_dot(self, labels: Mapping[int, str] | None = None, storages: Mapping[int, str] | None = None) -> str:
         """Graphviz DOT text for the tape (render with ``dot -Tsvg``).
 
+        ``labels`` names leaves (node id -> name, e.g. a Param's name) and
+        ``storages`` the storage a leaf reads (node id -> storage label): each
+        storage is drawn once, as a cylinder with a dashed edge to every leaf
+        that reads it; a storage read by more than one leaf is *tied*, its
+        edges say "cotangents summed" and its leaves are marked ``tied``.
+        :meth:`Session.to_dot <tapeflow.Session.to_dot>` fills both from its
+        Params.
+
         >>> import jax.numpy as jnp
-        >>> t, x = leaf(Tape.empty(), jnp.ones(2), requires_grad=True)
+        >>> t, x = leaf(Tape.empty(), jnp.ones(2, "float32"), requires_grad=True)
         >>> t, r = record(t, "exp", (x,))
         >>> print(t.to_dot().splitlines()[0])
         digraph tape {
+        >>> dot = t.to_dot(labels={0: "W"}, storages={0: "W storage"})
+        >>> print([ln for ln in dot.splitlines() if ln.startswith("  n0 [")][0])
+          n0 [label="#0 leaf W\\nfloat32[2]", style=filled, fillcolor="#e8f0fe"];
         """
-        lines = ["digraph tape {", "  rankdir=LR;", '  node [shape=box, fontname="monospace"];']
+        labels = labels or {}
+        storages = storages or {}
+        readers = _treescope.storage_readers(storages)
+        tied = {i for ids in readers.values() if len(ids) > 1 for i in ids}
+        lines = [
+            "digraph tape {",
+            "  rankdir=LR;",
+            '  node [shape=box, fontname="monospace", fontsize=14];',
+            '  edge [fontname="monospace", fontsize=14];',
+        ]
         for i, nd in enumerate(self):
-            label = ("leaf" if nd.op is None else nd.op) + f"\\n{R.fmt_spec(nd.spec)}"
+            what = "leaf" if nd.op is None else nd.op
+            name = labels.get(i)
+            head = f"#{i} {what}" + ("" if name is None else f" {_dot_escape(name)}") + (" (tied)" if i in tied else "")
             style = ', style=filled, fillcolor="#e8f0fe"' if nd.requires_grad else ""
-            lines.append(f'  n{i} [label="#{i} {label}"{style}];')
+            lines.append(f'  n{i} [label="{head}\\n{R.fmt_spec(nd.spec)}"{style}];')
             for p in nd.parents:
                 lines.append(f"  n{p} -> n{i};")
+        for k, (storage, ids) in enumerate(readers.items()):
+            lines.append(f'  s{k} [label="{_dot_escape(storage)}", shape=cylinder, style=filled, fillcolor="#fde7d9"];')
+            note = ', label="cotangents summed"' if len(ids) > 1 else ""
+            for i in ids:
+                lines.append(f'  s{k} -> n{i} [style=dashed, color="#c2410c"{note}];')
         lines.append("}")
         return "\n".join(lines)
 
-    def _repr_html_(self, limit: int = 20) -> str:
-        """Rich display in Jupyter: an HTML table of the nodes (the first and last ``limit`` of a long tape)."""
+    def _repr_html_(
+        self, limit: int = 20, labels: Mapping[int, str] | None = None, storages: Mapping[int, str] | None = None
+    ) -> str:
+        """Rich display in Jupyter: an HTML table of the nodes (the first and last ``limit`` of a long tape).
+
+        ``labels`` and ``storages`` are :meth:`to_dot`'s: given, the table has a
+        ``name`` and a ``storage`` column (a storage read by two leaves: ``tied``).
+
+        >>> import jax.numpy as jnp
+        >>> t, x = leaf(Tape.empty(), jnp.ones(2), requires_grad=True)
+        >>> "<td>W</td><td>W storage</td>" in t._repr_html_(labels={0: "W"}, storages={0: "W storage"})
+        True
+        """
         from html import escape
 
         n = self._n
+        named = bool(labels or storages)
+        labels = labels or {}
+        storages = storages or {}
+        readers = _treescope.storage_readers(storages)
         ids = list(range(n)) if n <= 2 * limit else list(range(limit)) + [-1] + list(range(n - limit, n))
         dev = "" if self.device is None else f", device={self.device}"
+        extra = "<th>name</th><th>storage</th>" if named else ""
         rows = [
             f"<table><caption>Tape: {n} node{'' if n == 1 else 's'}{escape(dev)}</caption>",
-            "<tr><th>id</th><th>op</th><th>parents</th><th>shape/dtype</th><th>requires_grad</th></tr>",
+            f"<tr><th>id</th><th>op</th>{extra}<th>parents</th><th>shape/dtype</th><th>requires_grad</th></tr>",
         ]
         nodes = self._buf.nodes
         for i in ids:
             if i < 0:
-                rows.append(f'<tr><td colspan="5">&hellip; {n - 2 * limit} more &hellip;</td></tr>')
+                rows.append(f'<tr><td colspan="{7 if named else 5}">&hellip; {n - 2 * limit} more &hellip;</td></tr>')
                 continue
             nd = nodes[i]
             op = "leaf" if nd.op is None else nd.op
             parents = ", ".join(map(str, nd.parents))
+            cells = ""
+            if named:
+                st = storages.get(i)
+                st_text = "" if st is None else st + (" (tied)" if len(readers[st]) > 1 else "")
+                cells = f"<td>{escape(labels.get(i, ''))}</td><td>{escape(st_text)}</td>"
             rows.append(
-                f"<tr><td>{i}</td><td>{escape(op)}</td><td>{parents}</td>"
+                f"<tr><td>{i}</td><td>{escape(op)}</td>{cells}<td>{parents}</td>"
                 f"<td>{escape(R.fmt_spec(nd.spec))}</td><td>{nd.requires_grad}</td></tr>"
             )
         rows.append("</table>")
         return "\n".join(rows)
+
+
+def _dot_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def computed_values(nodes: Sequence[Node], pending: Container[int], given: Iterable[Array], where: str) -> list[Array]:
@@ -421,9 +473,9 @@ def leaf(tape: Tape, value: ArrayLike, requires_grad: bool = False) -> tuple[Tap
     >>> t, i = leaf(Tape.empty(), jnp.zeros(3), requires_grad=True)
     >>> i, t[i].requires_grad
     (0, True)
-    >>> leaf(t, "abc")
+    >>> leaf(t, "abc")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    TypeError: leaf: 'abc' (str) is not an array of numbers; pass a NumPy or JAX array or a Python number
+    TypeError: leaf: 'abc' (str) is not an array of numbers; pass a NumPy ...
     """
     dev = tape.device
     if type(value) is concrete_array_type() and (dev is None or device_of(value) is dev):  # placed already

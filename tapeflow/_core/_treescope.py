@@ -37,7 +37,7 @@ Tape(
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -61,6 +61,7 @@ __all__ = [
     "render_storage",
     "render_tape",
     "render_tensor",
+    "storage_readers",
 ]
 
 TAPE_LIMIT = 20
@@ -93,8 +94,34 @@ def _treescope() -> ModuleType | None:
         return None
 
 
-def node_lines(tape: Tape, limit: int = TAPE_LIMIT) -> list[str]:
+def storage_readers(storages: Mapping[int, str]) -> dict[str, list[int]]:
+    """``storage label -> [leaf id, ...]`` in first-read order: the leaves that read each storage.
+
+    >>> storage_readers({1: "W storage", 3: "b storage", 6: "W storage"})
+    {'W storage': [1, 6], 'b storage': [3]}
+    """
+    out: dict[str, list[int]] = {}
+    for i in sorted(storages):
+        out.setdefault(storages[i], []).append(i)
+    return out
+
+
+def node_lines(
+    tape: Tape,
+    limit: int = TAPE_LIMIT,
+    labels: Mapping[int, str] | None = None,
+    storages: Mapping[int, str] | None = None,
+) -> list[str]:
     """One line per node (id, op and parents, shape/dtype, requires_grad); the middle of a long tape elided.
+
+    ``labels`` and ``storages`` are :meth:`Tape.to_dot <tapeflow.Tape.to_dot>`'s: a
+    named leaf shows its name and ``<- storage`` (``tied`` when two leaves read it).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> t, w = tfl.leaf(tfl.Tape.empty(), jnp.ones(2, "float32"), requires_grad=True)
+    >>> t, w2 = tfl.leaf(t, jnp.ones(2, "float32"), requires_grad=True)
+    >>> node_lines(t, labels={0: "W", 1: "W_dec"}, storages={0: "W storage", 1: "W storage"})
+    ['#0 leaf W float32[2] requires_grad <- W storage (tied)', '#1 leaf W_dec float32[2] requires_grad <- W storage (tied)']
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> t, x = tfl.leaf(tfl.Tape.empty(), jnp.ones(2))
@@ -103,6 +130,9 @@ def node_lines(tape: Tape, limit: int = TAPE_LIMIT) -> list[str]:
     >>> node_lines(t, limit=2)
     ['#0 leaf float32[2]', '#1 exp(0) float32[2]', '... 2 more nodes ...', '#4 exp(3) float32[2]', '#5 exp(4) float32[2]']
     """
+    labels = labels or {}
+    storages = storages or {}
+    readers = storage_readers(storages)
     n = len(tape)
     ids: Iterable[int] = range(n) if n <= 2 * limit else [*range(limit), -1, *range(n - limit, n)]
     out = []
@@ -112,8 +142,12 @@ def node_lines(tape: Tape, limit: int = TAPE_LIMIT) -> list[str]:
             continue
         nd = tape[i]
         what = "leaf" if nd.op is None else f"{nd.op}({', '.join(map(str, nd.parents))})"
+        if i in labels:
+            what += f" {labels[i]}"
         grad = " requires_grad" if nd.requires_grad else ""
-        out.append(f"#{i} {what} {fmt_spec(nd.spec)}{grad}")
+        st = storages.get(i)
+        reads = "" if st is None else f" <- {st}" + (" (tied)" if len(readers[st]) > 1 else "")
+        out.append(f"#{i} {what} {fmt_spec(nd.spec)}{grad}{reads}")
     return out
 
 
@@ -196,15 +230,25 @@ def _storage_color(ts: ModuleType, uid: int) -> str:
     return str(ts.formatting_util.color_from_string(f"tapeflow-storage-{uid}"))
 
 
-def render_tape(tape: Tape, path: str | None, subtree_renderer: SubtreeRenderer, limit: int = TAPE_LIMIT) -> Rendering:
-    """Picture of a tape: its length, device and :func:`node_lines` (see the module example)."""
+def render_tape(
+    tape: Tape,
+    path: str | None,
+    subtree_renderer: SubtreeRenderer,
+    limit: int = TAPE_LIMIT,
+    labels: Mapping[int, str] | None = None,
+    storages: Mapping[int, str] | None = None,
+) -> Rendering:
+    """Picture of a tape: its length, device and :func:`node_lines` (see the module example).
+
+    ``labels`` and ``storages`` name Param leaves and the storages they read (a session passes its own).
+    """
     ts = _treescope()
     if ts is None:
         return NotImplemented
     fields: list[tuple[str, object]] = [("len", len(tape))]
     if tape.device is not None:
         fields.append(("device", _Note(str(tape.device))))
-    fields += [("", _Note(line)) for line in node_lines(tape, limit)]
+    fields += [("", _Note(line)) for line in node_lines(tape, limit, labels, storages)]
     # drawn as the root (path ""), a tape opens even when its lines exceed treescope's height budget
     return _build(ts, tape, fields, path, subtree_renderer, expanded=path == "" and len(tape) > 0)
 
@@ -244,8 +288,9 @@ def render_session(s: Session, path: str | None, subtree_renderer: SubtreeRender
     ]
     try:
         groups = s.parameter_groups()
+        labels, storages = s.leaf_names(), s.leaf_storages()
     except TapeError:  # drawn from another thread: the parameter leaves are the owner thread's business
-        groups = []
+        groups, labels, storages = [], {}, {}
     for g in groups:
         if g.shared:
             uid = "?" if g.storage is None else g.storage.uid
@@ -253,7 +298,7 @@ def render_session(s: Session, path: str | None, subtree_renderer: SubtreeRender
             leaves = ", ".join(f"#{i}" for i in g.leaves)
             fields.append(("", _Note(f"# storage #{uid} ({name}): tied leaves {leaves}, one summed gradient")))
     tape_path = None if path is None else f"{path}.tape"
-    fields.append(("tape", _Drawn(render_tape(s.tape, tape_path, subtree_renderer))))
+    fields.append(("tape", _Drawn(render_tape(s.tape, tape_path, subtree_renderer, labels=labels, storages=storages))))
     return _build(ts, s, fields, path, subtree_renderer)
 
 

@@ -300,7 +300,10 @@ class Session:
         >>> tfl.Session().mode, tfl.Session(lazy=True).mode
         ('eager', 'lazy')
         >>> modes = []
-        >>> _ = tfl.value_and_grad(lambda s: modes.append(s.mode) or tfl.sum(s.input(jnp.ones(2))))({})
+        >>> def loss_fn(s):
+        ...     modes.append(s.mode)
+        ...     return tfl.sum(s.input(jnp.ones(2)))
+        >>> _ = tfl.value_and_grad(loss_fn)({})
         >>> modes
         ['traced']
         """
@@ -1162,6 +1165,73 @@ class Session:
         self.materialize()  # the tangent sweep reads the forward values
         return jvp_keys(self._tape, output.id, tangents, self._storage_by_leaf)
 
+    # -- views -----------------------------------------------------------------
+    def leaf_names(self) -> dict[NodeId, str]:
+        """The Param leaves of this recording by node id: the name of the Param each leaf is a use of.
+
+        A Param without a name is shown as ``param``. The labels
+        :meth:`to_dot`, the HTML table and the treescope picture draw.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> W = tfl.Param(jnp.ones((3, 2)), name="W")
+        >>> W_dec = tfl.tie(W, name="W_dec")
+        >>> s = tfl.Session()
+        >>> h = s.input(jnp.ones((1, 3))) @ W
+        >>> y = h @ W_dec.T
+        >>> s.leaf_names()
+        {1: 'W', 3: 'W_dec'}
+        """
+        self.check_thread()
+        return {i: str(getattr(p, "name", None) or "param") for i, p in sorted(self._params_by_leaf.items())}
+
+    def leaf_storages(self) -> dict[NodeId, str]:
+        """The storage each Param leaf reads, by node id: ``"<name> storage"``, named after its first use.
+
+        Leaves of one storage (a :func:`tfl.tie <tapeflow.tie>`, or one Param
+        used twice) get the same label, so a label read by two leaves marks a
+        tied use; two storages whose first uses share a name are told apart by
+        a number (``"w storage (2)"``).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> W = tfl.Param(jnp.ones((3, 2)), name="W")
+        >>> s = tfl.Session()
+        >>> h = s.input(jnp.ones((1, 3))) @ W
+        >>> y = h @ tfl.tie(W, name="W_dec").T
+        >>> s.leaf_storages()
+        {1: 'W storage', 3: 'W storage'}
+        """
+        names = self.leaf_names()
+        groups = group_parameter_leaves(self._params_by_leaf, self._storage_by_leaf)
+        out: dict[NodeId, str] = {}
+        taken: set[str] = set()
+        for g in groups:
+            base = f"{names[g.id]} storage"
+            label, k = base, 1
+            while label in taken:
+                k += 1
+                label = f"{base} ({k})"
+            taken.add(label)
+            out.update((i, label) for i in g.leaves)
+        return dict(sorted(out.items()))
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text of this recording, with Param leaves named and the storages they read drawn.
+
+        :meth:`Tape.to_dot <tapeflow.Tape.to_dot>` with ``labels=``:meth:`leaf_names`
+        and ``storages=``:meth:`leaf_storages`: a tied storage has a dashed edge
+        to each of its leaves, "cotangents summed". Nothing is computed: a lazy
+        session draws its recording.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> W = tfl.Param(jnp.ones((3, 2)), name="W")
+        >>> s = tfl.Session()
+        >>> h = s.input(jnp.ones((1, 3))) @ W
+        >>> y = h @ tfl.tie(W, name="W_dec").T
+        >>> [ln.strip() for ln in s.to_dot().splitlines() if "W storage" in ln][0]
+        's0 [label="W storage", shape=cylinder, style=filled, fillcolor="#fde7d9"];'
+        """
+        return self._tape.to_dot(labels=self.leaf_names(), storages=self.leaf_storages())
+
 
 def traced_session(
     overrides: Mapping[Storage, Array],
@@ -1213,7 +1283,8 @@ def block_session(
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> w = tfl.Param(jnp.ones(2))
-    >>> s = block_session(None, ParamSource({w.storage: jnp.zeros(2)}), None, grad_enabled=True)
+    >>> source = ParamSource({w.storage: jnp.zeros(2)})
+    >>> s = block_session(None, source, None, grad_enabled=True)
     >>> s.mode, s.use(w).value.tolist()
     ('eager', [0.0, 0.0])
     """
