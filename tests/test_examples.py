@@ -1,12 +1,22 @@
-"""The examples run: the digits demo (+ checkpoint restore), the char-level LM, the scripts, WGAN-GP and MAML
-(against pure-JAX oracles), the notebook."""
+"""The examples run: the digits demo (+ checkpoint restore), the char-level LM, the scripts (nanoGPT from a
+PyTorch state dict among them), WGAN-GP and MAML (against pure-JAX oracles), the notebook.
+
+Every example states its run time in its docstring (the notebook: in its first cell), as a line
+``Run time: about N s ...``; each run below fails when it takes more than twice that.
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,6 +43,50 @@ def _load(name: str) -> ModuleType:
     return mod
 
 
+RUN_TIME = re.compile(r"^Run time: about (\d+(?:\.\d+)?) (s|min)\b", re.M)
+ALL_EXAMPLES = sorted(p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".ipynb"))
+
+
+def _intro(name: str) -> str:
+    """An example's docstring; the notebook's first (markdown) cell."""
+    path = EXAMPLES / name
+    if path.suffix == ".ipynb":
+        return "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+
+
+def stated_seconds(name: str) -> float:
+    """The run time ``examples/<name>`` states (``Run time: about 20 s`` or ``about 2 min``), in seconds."""
+    m = RUN_TIME.search(_intro(name))
+    assert m, f"examples/{name} states no run time: add a line 'Run time: about N s on one CPU core.'"
+    return float(m.group(1)) * (60.0 if m.group(2) == "min" else 1.0)
+
+
+@contextlib.contextmanager
+def within_stated_time(name: str) -> Iterator[None]:
+    """Fail when the block (a run of ``examples/<name>``) takes more than twice the example's stated run time.
+
+    The scripts and the notebook run whole, as a user runs them; the demo runs its default training; the
+    char LM, WGAN-GP and MAML run shortened here, so for them the bound is loose (a slowdown of several
+    times still shows)."""
+    limit = 2.0 * stated_seconds(name)
+    t0 = time.perf_counter()
+    yield
+    took = time.perf_counter() - t0
+    assert took <= limit, (
+        f"examples/{name} took {took:.1f} s here, more than twice the {limit / 2:g} s its docstring states: "
+        "make it faster or state an honest run time"
+    )
+
+
+@pytest.mark.parametrize("name", ALL_EXAMPLES)
+def test_every_example_states_its_run_time_and_command(name: str) -> None:
+    intro = _intro(name)
+    assert 0 < stated_seconds(name) <= 120, "an example of the suite runs in at most two minutes"
+    if name.endswith(".py"):
+        assert f"python examples/{name}" in intro, f"examples/{name}: its docstring shows the command that runs it"
+
+
 # --------------------------------------------------------------------------- demo
 
 
@@ -52,7 +106,7 @@ def test_demo_trains_lazily_in_bfloat16_to_the_same_bar(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     pytest.importorskip("tqdm")
     demo = _load("demo")
-    with jax.enable_x64(False):
+    with jax.enable_x64(False), within_stated_time("demo.py"):
         out = demo.main(["--quiet", "--lazy", "--compute-dtype", "bfloat16", "--checkpoint", str(tmp_path / "ckpt")])
     assert out["accuracy"] >= 0.95
     assert out["eager_step_s"] > 0 and out["lazy_step_s"] > 0 and out["train_step_s"] > 0
@@ -60,7 +114,8 @@ def test_demo_trains_lazily_in_bfloat16_to_the_same_bar(tmp_path: Path) -> None:
 
 def _demo_round_trip(demo: ModuleType, ckpt: Path) -> None:
     curves = ckpt.parent / "curves.png"
-    out = demo.main(["--quiet", "--checkpoint", str(ckpt), "--plot", str(curves)])
+    with within_stated_time("demo.py"):  # the demo's default run (quiet), and its plot
+        out = demo.main(["--quiet", "--checkpoint", str(ckpt), "--plot", str(curves)])
     assert out["accuracy"] >= 0.95
     assert ckpt.is_dir()
     _assert_png(curves)
@@ -126,7 +181,8 @@ def test_demo_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.Mo
 
 def test_char_lm_loss_decreases_and_output_is_tied() -> None:
     char_lm = _load("char_lm")
-    out = char_lm.main(["--steps", "150", "--chars", "40", "--seed", "0"])
+    with within_stated_time("char_lm.py"):
+        out = char_lm.main(["--steps", "150", "--chars", "40", "--seed", "0"])
     assert np.isfinite(out["initial_loss"]) and np.isfinite(out["final_loss"])
     # from ~ln(vocab) to clearly below the unigram entropy of the text
     assert out["initial_loss"] > 4.0
@@ -139,23 +195,49 @@ def test_char_lm_loss_decreases_and_output_is_tied() -> None:
 # --------------------------------------------------------------------------- scripts
 
 
-@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py"])
+@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py", "nanogpt.py"])
 def test_script_runs(script: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """Each script whole, in a fresh interpreter, as ``python examples/<script>`` (its stated time included)."""
+    with within_stated_time(script):
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / script)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if script == "nanogpt.py":
+        _check_nanogpt_output(proc.stdout)
+
+
+def _check_nanogpt_output(out: str) -> None:
+    """The torch state dict loaded (the tie kept), the logits agree with torch's, the loss went down."""
+    if importlib.util.find_spec("torch") is None:
+        assert "needs PyTorch" in out and "pip install torch" in out, out
+        return
+    assert "lm_head shares wte's storage: True" in out, out
+    diff = re.search(r"max \|tapeflow - torch\| = (\S+)", out)
+    assert diff and float(diff.group(1)) < 1e-4, out
+    losses = re.search(r"^loss (\S+) -> (\S+) in", out, re.M)
+    assert losses and float(losses.group(2)) < float(losses.group(1)) - 0.5, out
+    norms = [float(v) for v in re.findall(r"grad norm (\S+)", out)]
+    assert len(norms) >= 3 and all(np.isfinite(norms)) and all(v > 0 for v in norms), out
+
+
+def test_nanogpt_without_torch_says_so_and_returns(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    nanogpt = _load("nanogpt")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    assert nanogpt.main([]) == {"torch": False}
+    assert "pip install torch" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["gradient_penalty", "maml"])
 def test_script_command_line_runs(name: str) -> None:
     """The command line of the two higher-order examples, short, in this process (their kernels are shared
     with the tests below; a fresh interpreter per script costs seconds of start-up and compilation)."""
-    out = _load(name).main(["--steps", "2", "--log-every", "1"])
+    with within_stated_time(f"{name}.py"):
+        out = _load(name).main(["--steps", "2", "--log-every", "1"])
     logged = np.asarray(jax.tree_util.tree_leaves(out["history"]), dtype=float)  # steps and losses, as logged
     assert logged.size and np.isfinite(logged).all()
 
@@ -378,7 +460,8 @@ def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     client = nbclient.NotebookClient(
         nb, timeout=180, kernel_name=kernel, allow_errors=True, resources={"metadata": {"path": str(EXAMPLES)}}
     )
-    client.execute()
+    with within_stated_time("quickstart.ipynb"):  # the kernel's start included
+        client.execute()
     text, html, errors = _outputs(nb)
     assert not errors, errors
     assert "stale tensor handle from generation 0; current generation is 1" in text
