@@ -150,6 +150,9 @@ def test_every_registered_op_is_documented() -> None:
     assert not undocumented, f"ops missing from docs/ops.md: {undocumented}"
     gen = _ext("gen_ops")
     assert text == gen.render(include_user=False), "docs/ops.md is out of date: run python docs/_ext/gen_ops.py"
+    assert (ROOT / "docs" / "api" / "functions.md").read_text() == gen.render_functions(), (
+        "docs/api/functions.md is out of date: run python docs/_ext/gen_ops.py"
+    )
 
 
 def test_functions_stub_is_up_to_date() -> None:

@@ -1,9 +1,14 @@
-"""Write docs/ops.md from the op registry: ``python docs/_ext/gen_ops.py``.
+"""Write docs/ops.md and docs/api/functions.md from the op registry: ``python docs/_ext/gen_ops.py``.
 
-The test suite checks that the committed page equals this output. Run in a
+The test suite checks that the committed pages equal this output. Run in a
 process that registered ops with ``tfl.lift`` / ``tfl.defop`` (import this
-module and call :func:`render`), the page also lists those, in a section of
+module and call :func:`render`), the ops page also lists those, in a section of
 their own; the committed page, generated in a fresh process, has none.
+
+docs/ops.md is a compact table (one row per op: its name, linking to the op's
+section, and its one-line summary) followed by one section per op with the
+details: the function that records it, operands, attributes with their
+defaults, gradient, dtype rule and the op's notes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from pathlib import Path
 
 import tapeflow as tfl
 from tapeflow._core import _registry as R
+from tapeflow._shell import _functions as F
 
 HEADER = """# Ops
 
@@ -21,19 +27,32 @@ session, call the function of the same name, whose parameters are the operands
 then the attributes (`tfl.relu(h)`, `tfl.sum(h, axis=0)`), or an operator.
 An optional operand (`b=None`) is left out of the record when None; the
 operands of a variadic op (`*xs`) are passed to its function as one sequence
-(`tfl.concat([a, b], axis=1)`).
+(`tfl.concat([a, b], axis=1)`). Each op's section below lists its operands,
+attributes, gradient and dtype rule.
 
-*Gradient*: `hand` means a hand-written VJP, `jax.vjp` that the VJP is
-`jax.vjp` of the forward, `none` that the output never carries a gradient
-(comparisons). Inputs listed under *no grad* (labels, indices, conditions,
-masks) never receive one. *Exact* ops also run on exact rationals (NumPy object
-arrays of `fractions.Fraction`) on the CPU.
+| op | summary |
+| --- | --- |
+"""
 
-| op | operands | attributes | gradient | no grad | exact | description |
-| --- | --- | --- | --- | --- | --- | --- |
+DETAILS_HEADER = """
+## Op details
+
+*Gradient*: a hand-written VJP, or `jax.vjp` of the forward; the comparisons
+have none (their output never carries a gradient). Operands listed under *no
+gradient* (labels, indices, conditions, masks) never receive one. *Dtype*: under
+a mixed-precision policy an op computes in the policy's compute dtype, in
+float32 (losses, reductions, normalizations) or in its operands' own dtype (ops
+that move or select elements, or cast on purpose). *Exact* ops also run on exact
+rationals (NumPy object arrays of `fractions.Fraction`) on the CPU.
 """
 
 BOOLEAN_OUTPUT = {"lt", "le", "gt", "ge", "eq", "ne"}
+
+PRECISION = {
+    "compute": "the policy's compute dtype",
+    "float32": "float32",
+    "layout": "its operands' own dtype",
+}
 
 
 def _fmt_default(v: object) -> str:
@@ -48,12 +67,60 @@ def _operands(d: R.OpDef) -> str:
     return ", ".join(f"`{n}=None`" if n in optional else f"`{n}`" for n in d.operands)
 
 
+def _attributes(d: R.OpDef) -> str:
+    return ", ".join(f"`{k}={_fmt_default(v)}`" for k, v in d.defaults.items())
+
+
+def _gradient(name: str, d: R.OpDef) -> str:
+    return "none" if name in BOOLEAN_OUTPUT else ("hand" if d.vjp is not None else "jax.vjp")
+
+
+def _nondiff(d: R.OpDef) -> str:
+    return ", ".join(f"`{d.operands[i]}`" for i in sorted(d.nondiff) if i < len(d.operands))
+
+
 def _builtin() -> list[str]:
     return [name for name in tfl.ops() if not R.REGISTRY[name].user]
 
 
 def _user() -> list[str]:
     return [name for name in tfl.ops() if R.REGISTRY[name].user]
+
+
+def _anchor(name: str) -> str:
+    return f"op-{name.replace('_', '-')}"
+
+
+def _summary_row(name: str) -> str:
+    doc = R.REGISTRY[name].doc.replace("|", "\\|")
+    return f"| [`{name}`](#{_anchor(name)}) | {doc} |"
+
+
+def _section(name: str) -> str:
+    d = R.REGISTRY[name]
+    if d.public:
+        function = f"[`tfl.{name}`][tapeflow.{name}]"
+        function += "".join(f", also `tfl.{alias}`" for alias in d.aliases)
+    else:
+        function = f'none: a Tensor operator records it, or `tfl.apply("{name}", ...)`'
+    grad = {
+        "hand": "hand-written VJP",
+        "jax.vjp": "`jax.vjp` of the forward",
+        "none": "none (boolean output)",
+    }[_gradient(name, d)]
+    items = [
+        f"* Function: {function}",
+        f"* Operands: {_operands(d)}",
+        f"* Attributes: {_attributes(d) or 'none'}",
+        f"* Gradient: {grad}",
+    ]
+    if _nondiff(d):
+        items.append(f"* No gradient: {_nondiff(d)}")
+    items.append(f"* Dtype: computes in {PRECISION[d.precision]}")
+    if d.exact:
+        items.append("* Exact: also runs on exact rationals")
+    notes = f"\n\n{d.notes.strip()}" if d.notes.strip() else ""
+    return f"\n### `{name}` {{ #{_anchor(name)} }}\n\n{d.doc}\n\n" + "\n".join(items) + notes + "\n"
 
 
 def _footer() -> str:
@@ -85,11 +152,10 @@ call the lifted function, `tfl.apply("name", ...)` or `tfl.record`.
 
 def _row(name: str, last: str) -> str:
     d = R.REGISTRY[name]
-    attrs = ", ".join(f"`{k}={_fmt_default(v)}`" for k, v in d.defaults.items()) or "-"
-    grad = "none" if name in BOOLEAN_OUTPUT else ("hand" if d.vjp is not None else "jax.vjp")
-    nondiff = ", ".join(f"`{d.operands[i]}`" for i in sorted(d.nondiff) if i < len(d.operands)) or "-"
+    attrs = _attributes(d) or "-"
+    nondiff = _nondiff(d) or "-"
     doc = d.doc.replace("|", "\\|")
-    return f"| `{name}` | {_operands(d)} | {attrs} | {grad} | {nondiff} | {last} | {doc} |"
+    return f"| `{name}` | {_operands(d)} | {attrs} | {_gradient(name, d)} | {nondiff} | {last} | {doc} |"
 
 
 def _function_name(d: R.OpDef) -> str:
@@ -101,16 +167,46 @@ def _function_name(d: R.OpDef) -> str:
 
 def render(include_user: bool = True) -> str:
     """The ops page; ``include_user=False`` leaves out ops registered at run time (the committed page has none)."""
-    rows = [_row(name, "yes" if R.REGISTRY[name].exact else "-") for name in _builtin()]
+    rows = [_summary_row(name) for name in _builtin()]
+    sections = [_section(name) for name in _builtin()]
     user = [_row(name, _function_name(R.REGISTRY[name])) for name in _user()] if include_user else []
-    section = USER_HEADER + "\n".join(user) + "\n" if user else ""
-    return HEADER + "\n".join(rows) + "\n" + section + _footer()
+    user_section = USER_HEADER + "\n".join(user) + "\n" if user else ""
+    return HEADER + "\n".join(rows) + "\n" + DETAILS_HEADER + "".join(sections) + user_section + _footer()
+
+
+FUNCTIONS_HEADER = """# Op functions
+
+Every public op of the registry is a function of the same name: `tfl.relu(h)`,
+`tfl.matmul(a, b)`, `tfl.sum(h, axis=0)`. Its parameters are the op's operands,
+then its attributes in declaration order with their defaults (a required
+attribute has none), then PyTorch's `dim=` / `keepdim=` (keyword only) where the
+op has an `axis` / `keepdims` attribute with a default. A trailing optional
+operand defaults to None and is left out of the record when None; a variadic op,
+such as `concat`, takes one sequence. Operands may be
+[`Tensor`][tapeflow.Tensor] handles, [`Param`][tapeflow.Param]s, numbers or
+arrays; the function records the op on the operands' session.
+
+[`tfl.dropout`][tapeflow.dropout] is a composite (of `where` and `mul`), not a
+registry op, and [`tfl.attention`][tapeflow.attention] draws the dropout mask of
+the `attention` op from the session's RNG. The operands, attributes, gradient
+and dtype rule of each op are listed in [Ops](../ops.md).
+{aliases}"""
+
+
+def render_functions() -> str:
+    """docs/api/functions.md: one reference entry per op function, under its public name ``tapeflow.NAME``."""
+    aliases = {alias: name for name in _builtin() for alias in R.REGISTRY[name].aliases}
+    said = "".join(f"\n`tfl.{a}` is another name for [`tfl.{n}`][tapeflow.{n}].\n" for a, n in aliases.items())
+    entries = [f"::: tapeflow.{name}\n" for name in F.__all__ if name not in aliases]
+    return FUNCTIONS_HEADER.replace("{aliases}", said) + "\n" + "\n".join(entries)
 
 
 def main() -> None:
-    out = Path(__file__).resolve().parents[1] / "ops.md"
-    out.write_text(render())
-    print(f"wrote {out} ({len(_builtin())} ops, {len(_user())} user-registered)")
+    docs = Path(__file__).resolve().parents[1]
+    (docs / "ops.md").write_text(render())
+    (docs / "api" / "functions.md").write_text(render_functions())
+    print(f"wrote {docs / 'ops.md'} ({len(_builtin())} ops, {len(_user())} user-registered)")
+    print(f"wrote {docs / 'api' / 'functions.md'}")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def _handler_options() -> dict[str, Any]:
 
 def _entries() -> Iterator[tuple[str, dict[str, Any]]]:
     """Every ``::: path`` entry of the docs pages with its own ``options:``."""
-    for page in sorted(DOCS.glob("*.md")):
+    for page in sorted(DOCS.rglob("*.md")):
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
             m = ENTRY.match(line)
