@@ -5,8 +5,10 @@ in order, in one namespace, as the one script named ``NAME.py`` that they make
 together (so an error's ``file:line`` names that script and a line of it, counted
 over the blocks in order), with what users get by default (x64 off). The ```text block that directly follows a python
 block (only blank lines between them) becomes what that block printed; a python
-block not followed by one must print nothing. ``tests/test_docs.py`` checks that
-every such page is up to date.
+block not followed by one must print nothing. A printed line longer than ``WIDTH``
+(what a code block shows at the theme's default width) is wrapped at spaces, its
+continuation lines indented two spaces more than it, so nothing scrolls out of view.
+``tests/test_docs.py`` checks that every such page is up to date.
 
 Usage::
 
@@ -19,10 +21,34 @@ import contextlib
 import io
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 MARKER = re.compile(r"<!-- outputs: ([\w.-]+\.py) -->")
 BLOCK = re.compile(r"```python\n(.*?)```(\n\s*\n```text\n(.*?)```)?", re.S)
+WIDTH = 88  # characters of a code block line the text column shows (tests/test_docs_layout.py)
+
+
+def wrap(printed: str, width: int = WIDTH) -> str:
+    """``printed`` with each line longer than ``width`` broken at spaces, continuations indented 2 more.
+
+    A word longer than a line is left whole (never split mid-word).
+    """
+    lines = []
+    for line in printed.split("\n"):
+        if len(line) <= width:
+            lines.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(
+            line.lstrip(),
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent + "  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
 
 
 def script_name(text: str) -> str | None:
@@ -57,7 +83,7 @@ def render(path: Path) -> str:
                 continue
             start = m.start(3)
             pieces.append(text[last:start])
-            pieces.append(printed)
+            pieces.append(wrap(printed))
             last = m.end(3)
     pieces.append(text[last:])
     return "".join(pieces)

@@ -30,7 +30,8 @@ warning.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> with tfl.compile_log(file=None) as log:
-...     _ = tfl.Session().input(jnp.ones(3)) * 7.5   # a new op kernel, or one already compiled
+...     # a new op kernel, or one already compiled
+...     _ = tfl.Session().input(jnp.ones(3)) * 7.5
 >>> all(isinstance(r, tfl.CompileRecord) for r in log.records)
 True
 """
@@ -386,7 +387,8 @@ def compile_log(
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> f = jax.jit(lambda x: x * 2)
     >>> x3, x4 = jnp.ones(3), jnp.ones(4)
-    >>> with tfl.compile_log(file=None) as log:   # a function tapeflow did not make: what, not why
+    >>> # a function tapeflow did not make: what, not why
+    >>> with tfl.compile_log(file=None) as log:
     ...     _ = f(x3), f(x4), f(x3)
     >>> [r.what for r in log.records]
     ['jax function <lambda>', 'jax function <lambda>']

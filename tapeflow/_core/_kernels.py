@@ -59,8 +59,9 @@ def kernel_cache_info() -> dict[str, int]:
     their bound (``"max_size"``) and the ``"evictions"`` since the last :func:`clear_kernel_caches`.
 
     >>> import tapeflow as tfl
-    >>> sorted(tfl.kernel_cache_info())
-    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'lazy', 'lazy_checked', 'max_size', 'optimizer_init', 'random', 'vjp']
+    >>> sorted(tfl.kernel_cache_info())  # doctest: +NORMALIZE_WHITESPACE
+    ['evictions', 'fwd', 'fwd_jit', 'jvp', 'lazy', 'lazy_checked', 'max_size',
+     'optimizer_init', 'random', 'vjp']
     """
     info = {name: len(c) for name, c in _CACHES.items()}
     return {**info, "max_size": _max_size, "evictions": sum(c.evictions for c in _CACHES.values())}

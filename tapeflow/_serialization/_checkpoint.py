@@ -246,9 +246,10 @@ def save(
     >>> tfl.restore(d, [w2], opt2, s2)
     >>> w2.value.tolist(), s2.seed
     ([1.0, 1.0], 1)
-    >>> tfl.restore(d, [w2, tfl.Param(jnp.zeros(2))])
+    >>> tfl.restore(d, [w2, tfl.Param(jnp.zeros(2))])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    tapeflow.CheckpointError: checkpoint at ... has 1 parameter registrations, the destination has 2; ...
+    tapeflow.CheckpointError: checkpoint at ... has 1 parameter registrations,
+      the destination has 2; ...
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)

@@ -67,8 +67,11 @@ class StateWriteError(TapeError):
 def traced_write(where: str, what: str) -> StateWriteError:
     """The refusal of a write whose value (``what``) is being traced by JAX: a storage never holds a tracer.
 
-    >>> print(traced_write("train_step", "the batch").args[0].split(";")[0])
-    train_step: the batch is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), so it cannot be stored: train_step writes parameters and state, and a storage never holds a tracer
+    >>> message = traced_write("train_step", "the batch").args[0]
+    >>> print(message.split(";")[0])  # doctest: +NORMALIZE_WHITESPACE
+    train_step: the batch is being traced by JAX (inside jax.jit, jax.grad, jax.vmap,
+      ...), so it cannot be stored: train_step writes parameters and state, and a
+      storage never holds a tracer
     """
     return StateWriteError(
         f"{where}: {what} is being traced by JAX (inside jax.jit, jax.grad, jax.vmap, ...), "
@@ -147,7 +150,8 @@ def commit(
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> a, b = tfl.Storage(jnp.zeros(1)), tfl.Storage(jnp.zeros(1))
     >>> log = []
-    >>> commit([(a, jnp.ones(1)), (b, jnp.full(1, 2.0))], where="example", then=[lambda: log.append("done")])
+    >>> writes = [(a, jnp.ones(1)), (b, jnp.full(1, 2.0))]
+    >>> commit(writes, where="example", then=[lambda: log.append("done")])
     >>> a.read_current().tolist(), b.read_current().tolist(), log
     ([1.0], [2.0], ['done'])
     """

@@ -19,7 +19,8 @@ the function once (under ``jax.jit`` XLA merges the copies).
 >>> t, y = tfl.record(t, "doc_cube_lifted", (x,))
 >>> tfl.backward(t, y.value, seed=jnp.ones(2))[x].tolist()
 [3.0, 12.0]
->>> R.unregister("doc_cube_lifted").name  # (the doctests leave the registry as they found it)
+>>> # (the doctests leave the registry as they found it)
+>>> R.unregister("doc_cube_lifted").name
 'doc_cube_lifted'
 """
 
@@ -278,7 +279,8 @@ def lift(
     (-1.0, 3.0)
     >>> float(minmax(jnp.array([3.0, -1.0]))[1])  # plain arrays: just the function
     3.0
-    >>> for op in ("doc_softplus", "doc_minmax"):  # (the doctests leave the registry as they found it)
+    >>> # (the doctests leave the registry as they found it)
+    >>> for op in ("doc_softplus", "doc_minmax"):
     ...     _ = R.unregister(op)
     """
     static = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)

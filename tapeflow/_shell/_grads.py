@@ -214,7 +214,8 @@ class Grads(Mapping[GradKey, Array]):
         >>> a, b = tfl.Param(jnp.array(1.0)), tfl.Param(jnp.array(1.0))
         >>> with tfl.Session() as s:
         ...     g = s.backward(a * 2.0 + tfl.tie(a) * 3.0)
-        ...     [None if v is None else float(v) for v in g.storage_gradients([a.storage, b.storage])]
+        ...     per_storage = g.storage_gradients([a.storage, b.storage])
+        ...     [None if v is None else float(v) for v in per_storage]
         [5.0, None]
         """
         out: list[Array | None] = []

@@ -70,9 +70,10 @@ def rng_int(name: str, v: object, bounds: tuple[int, int], where: str = "set_rng
 
     >>> rng_int("seed", 7, RNG_SEED_RANGE)
     7
-    >>> rng_int("seed", 2**63, RNG_SEED_RANGE, "Session")
+    >>> rng_int("seed", 2**63, RNG_SEED_RANGE, "Session")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    tapeflow._core._result.TapeError: Session: seed must be an int in [-2**63, 2**63), got 9223372036854775808
+    tapeflow._core._result.TapeError: Session: seed must be an int in [-2**63, 2**63),
+      got 9223372036854775808
     """
     lo, hi = bounds
     rng = f"[{'-2**63' if lo else 0}, 2**63)"
@@ -92,7 +93,8 @@ class RandomStream:
 
     >>> rs = RandomStream(seed=0)
     >>> a = rs.draw("normal", ("normal",), 2, np.float32)
-    >>> rs.counter, rs.set_state(counter=0), bool((rs.draw("normal", ("normal",), 2, np.float32) == a).all())
+    >>> counter, reset = rs.counter, rs.set_state(counter=0)
+    >>> counter, reset, bool((rs.draw("normal", ("normal",), 2, np.float32) == a).all())
     (1, None, True)
     """
 

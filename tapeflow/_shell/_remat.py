@@ -45,7 +45,8 @@ How it works:
 >>> with tfl.Session() as s:
 ...     x = s.input(jnp.ones((2, 3)), requires_grad=True)
 ...     y = block(x)
-...     [nd.op or "leaf" for nd in s.tape][-1].startswith("checkpoint:"), len(s.tape)  # x, weight, bias, y
+...     ops = [nd.op or "leaf" for nd in s.tape]
+...     ops[-1].startswith("checkpoint:"), len(s.tape)  # x, weight, bias, y
 ...     g = s.backward(tfl.sum(y))
 ...     g[layer.weight].shape
 (True, 4)

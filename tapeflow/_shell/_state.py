@@ -99,9 +99,10 @@ def state_writes_refused(where: str) -> Iterator[None]:
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> n = tfl.Param(jnp.zeros(()), trainable=False)
     >>> with tfl.Session() as s, state_writes_refused("checkpoint(f)"):
-    ...     s.assign_state(n, 1.0)
+    ...     s.assign_state(n, 1.0)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    tapeflow._core._result.TapeError: assign_state: the state cell Param(...) is written inside checkpoint(f), ...
+    tapeflow._core._result.TapeError: assign_state: the state cell Param(...) is written
+      inside checkpoint(f), ...
     >>> float(n.value)
     0.0
     """
@@ -193,9 +194,11 @@ def check_state_cell(param: object) -> Param:
     """``param`` if it may be written as a state cell (a non-trainable Param, not a view), else the error.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> check_state_cell(tfl.Param(jnp.zeros(()), name="w"))
+    >>> cell = tfl.Param(jnp.zeros(()), name="w")
+    >>> check_state_cell(cell)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    tapeflow._core._result.TapeError: assign_state: Param('w', float32[], storage=#...) is trainable; ...
+    tapeflow._core._result.TapeError: assign_state: Param('w', float32[], storage=#...)
+      is trainable; ...
     """
     if not isinstance(param, Param):
         raise TypeError(f"assign_state expects a non-trainable tfl.Param, got {type(param).__name__}")
@@ -214,7 +217,8 @@ def state_log_of(grads: object) -> StateLog | None:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     state_log_of(s.backward(tfl.sum(s.input(jnp.ones(2), requires_grad=True)))) is None
+    ...     loss = tfl.sum(s.input(jnp.ones(2), requires_grad=True))
+    ...     state_log_of(s.backward(loss)) is None
     True
     """
     log = getattr(grads, _LOG_ATTR, None) if isinstance(grads, Grads) else None

@@ -13,10 +13,11 @@ PyTorch meaning holds here, and ``tfl.numpy`` keeps NumPy's:
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> with tfl.Session() as s:
 ...     x = s.input(jnp.arange(5.0), requires_grad=True)
-...     [p.shape for p in tfl.split(x, 2)], [p.shape for p in tfl.chunk(x, 2)], tfl.stack([x, x]).shape
+...     split, chunk = tfl.split(x, 2), tfl.chunk(x, 2)
+...     [p.shape for p in split], [p.shape for p in chunk], tfl.stack([x, x]).shape
 ([(2,), (2,), (1,)], [(3,), (2,)], (2, 5))
 >>> with tfl.Session() as s:
-...     tfl.zeros((2, 3)).node.op is None, tfl.arange(4).tolist()     # a leaf of the session
+...     tfl.zeros((2, 3)).node.op is None, tfl.arange(4).tolist()  # a session's leaf
 (True, [0, 1, 2, 3])
 """
 

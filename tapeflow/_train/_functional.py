@@ -304,8 +304,8 @@ class TrainStepOptions(TypedDict, total=False):
     """The keyword options of :func:`train_step` (and :class:`TrainStep`); see :func:`train_step`.
 
     >>> sorted(TrainStepOptions.__annotations__)  # doctest: +NORMALIZE_WHITESPACE
-    ['compute_dtype', 'data_axis', 'debug_nans', 'donate', 'has_aux', 'mesh', 'microbatches', 'param_specs',
-     'return_stats', 'seed', 'static_argnames']
+    ['compute_dtype', 'data_axis', 'debug_nans', 'donate', 'has_aux', 'mesh',
+     'microbatches', 'param_specs', 'return_stats', 'seed', 'static_argnames']
     """
 
     mesh: Mesh | None
@@ -652,7 +652,8 @@ class TrainStep:
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> w = tfl.Param(jnp.ones(3), name="w")
-        >>> step = tfl.train_step(lambda s, x: tfl.sum(w * x), tfl.Optimizer(optax.sgd(0.1), [w]))
+        >>> opt = tfl.Optimizer(optax.sgd(0.1), [w])
+        >>> step = tfl.train_step(lambda s, x: tfl.sum(w * x), opt)
         >>> "stablehlo" in step.lower(jnp.ones(3)).as_text(), step.step_count
         (True, 0)
         """

@@ -199,7 +199,8 @@ class Optimizer:
     >>> emb = tfl.Param(jnp.ones((4, 2)), name="emb")
     >>> out = tfl.tie(emb, name="out")               # tied: same storage
     >>> opt = tfl.Optimizer(optax.adam(1e-3), {"emb": emb, "out": out})
-    >>> len(opt.storages), opt.slot_keys, list(opt.state[0].mu)   # one slot, keyed by the first name
+    >>> # one slot, keyed by the first name
+    >>> len(opt.storages), opt.slot_keys, list(opt.state[0].mu)
     (1, ['emb'], ['emb'])
     """
 
@@ -248,7 +249,11 @@ class Optimizer:
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> w, b = tfl.Param(jnp.ones((2, 2)), name="w"), tfl.Param(jnp.ones(2), name="b")
         >>> opt = tfl.Optimizer.from_groups(
-        ...     [{"params": [w], "weight_decay": 0.1}, {"params": [b], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3
+        ...     [
+        ...         {"params": [w], "weight_decay": 0.1},
+        ...         {"params": [b], "lr": 1e-2, "weight_decay": 0.0},
+        ...     ],
+        ...     lr=1e-3,
         ... )
         >>> opt.slot_keys, list(opt.state.inner_states)
         (['w', 'b'], [0, 1])
@@ -524,7 +529,8 @@ class Optimizer:
         and ``train_step(mesh=...)`` replicates every slot.
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
-        >>> opt = tfl.Optimizer(optax.sgd(0.1, momentum=0.9), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(3))])
+        >>> params = [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(3))]
+        >>> opt = tfl.Optimizer(optax.sgd(0.1, momentum=0.9), params)
         >>> opt.slot_indices()
         (TraceState(trace=[0, 1]), EmptyState())
         """
@@ -641,7 +647,8 @@ class Optimizer:
         once per ``used`` pattern; it can be called inside ``jax.jit``.
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
-        >>> opt = tfl.Optimizer(optax.sgd(0.5), [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))])
+        >>> params = [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))]
+        >>> opt = tfl.Optimizer(optax.sgd(0.5), params)
         >>> vals, state = opt.update([jnp.ones(2), jnp.ones(1)], opt.state, [jnp.ones(2), None])
         >>> [v.tolist() for v in vals]
         [[0.5, 0.5], [1.0]]

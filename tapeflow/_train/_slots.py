@@ -6,7 +6,8 @@ optax state belongs to which slot (:func:`slot_index_tree`), found with optax's
 own :func:`optax.tree_utils.tree_map_params`.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
->>> recs, names = records_of({"w": tfl.Param(jnp.zeros(2)), "b": tfl.Param(jnp.zeros(()))})
+>>> params = {"w": tfl.Param(jnp.zeros(2)), "b": tfl.Param(jnp.zeros(()))}
+>>> recs, names = records_of(params)
 >>> names, [r.shape for r in recs]
 (['w', 'b'], [(2,), ()])
 """

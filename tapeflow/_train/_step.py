@@ -24,7 +24,8 @@ runs traced. Everything else is here:
 >>> import jax.numpy as jnp, optax, tapeflow as tfl
 >>> w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
 >>> opt = tfl.Optimizer(optax.sgd(1.0), [w])
->>> out = step(opt.rule, [(jnp.array([0.5, 0.5]), jnp.array([0.25, 0.25]))], [w.value], opt.state, True)
+>>> parts = [(jnp.array([0.5, 0.5]), jnp.array([0.25, 0.25]))]
+>>> out = step(opt.rule, parts, [w.value], opt.state, True)
 >>> out.values[0].tolist(), out.finite.tolist()     # 1 - (0.5 + 0.25), 2 - 0.75
 ([0.25, 1.25], [True])
 """

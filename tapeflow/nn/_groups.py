@@ -15,9 +15,10 @@ an error that names both.
 >>> import jax, optax, tapeflow as tfl
 >>> emb = tfl.nn.Embedding(16, 8, key=jax.random.key(0))
 >>> model = tfl.nn.Sequential(emb, tfl.nn.LayerNorm(8), emb.tied_output())
->>> decay_mask(model)                 # the tied table is the head's weight too: it decays
+>>> decay_mask(model)  # the tied table is the head's weight too: it decays
 {'0.weight': True, '1.weight': False, '1.bias': False}
->>> opt = tfl.Optimizer(optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask(model)), model)
+>>> tx = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask(model))
+>>> opt = tfl.Optimizer(tx, model)
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ def param_labels(model: Module, rule: LabelRule) -> dict[str, Hashable]:
     >>> import jax, optax, tapeflow as tfl
     >>> model = tfl.nn.MLP([4, 8, 2], key=jax.random.key(0))
     >>> labels = param_labels(model, lambda name, p: "matrix" if p.ndim >= 2 else "vector")
-    >>> labels
-    {'layers.0.weight': 'matrix', 'layers.0.bias': 'vector', 'layers.1.weight': 'matrix', 'layers.1.bias': 'vector'}
-    >>> tx = optax.multi_transform({"matrix": optax.adam(1e-3), "vector": optax.sgd(1e-2)}, labels)
+    >>> labels  # doctest: +NORMALIZE_WHITESPACE
+    {'layers.0.weight': 'matrix', 'layers.0.bias': 'vector',
+     'layers.1.weight': 'matrix', 'layers.1.bias': 'vector'}
+    >>> rules = {"matrix": optax.adam(1e-3), "vector": optax.sgd(1e-2)}
+    >>> tx = optax.multi_transform(rules, labels)
     >>> list(tfl.Optimizer(tx, model).state.inner_states)
     ['matrix', 'vector']
     """
@@ -178,9 +181,10 @@ def decay_mask(
     ...         self.ln_f = tfl.nn.LayerNorm(8)
     ...         self.lm_head = self.wte.tied_output()
     >>> model = TinyGPT(jax.random.key(0))
-    >>> decay_mask(model)
-    {'wte.weight': True, 'wpe.weight': False, 'fc.weight': True, 'fc.bias': False, 'ln_f.weight': False, 'ln_f.bias': False}
-    >>> [k for k, v in decay_mask(model, embeddings=True).items() if v]       # nanoGPT's split
+    >>> decay_mask(model)  # doctest: +NORMALIZE_WHITESPACE
+    {'wte.weight': True, 'wpe.weight': False, 'fc.weight': True, 'fc.bias': False,
+     'ln_f.weight': False, 'ln_f.bias': False}
+    >>> [k for k, v in decay_mask(model, embeddings=True).items() if v]  # nanoGPT's split
     ['wte.weight', 'wpe.weight', 'fc.weight']
     >>> [k for k, v in decay_mask(model, exclude="wte.*", include="fc.bias").items() if v]
     ['fc.weight', 'fc.bias']

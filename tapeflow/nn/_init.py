@@ -20,13 +20,15 @@ anything else is handed to ``jax.random`` as it is.
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from tapeflow.nn import init
 >>> key = jax.random.key(0)
->>> bool(np.array_equal(init.uniform(key, (3, 5), minval=-1.0), jax.random.uniform(key, (3, 5), minval=-1.0)))
+>>> ours = init.uniform(key, (3, 5), minval=-1.0)
+>>> bool(np.array_equal(ours, jax.random.uniform(key, (3, 5), minval=-1.0)))
 True
 >>> bool(np.array_equal(init.normal(key, (7,)), jax.random.normal(key, (7,))))
 True
->>> bool(np.array_equal(jax.random.key_data(init.split(key, 3)), jax.random.key_data(jax.random.split(key, 3))))
+>>> ours = jax.random.key_data(init.split(key, 3))
+>>> bool(np.array_equal(ours, jax.random.key_data(jax.random.split(key, 3))))
 True
->>> k1, k2 = init.keys(key, 2)                     # split into separate keys, nothing compiled
+>>> k1, k2 = init.keys(key, 2)  # split into separate keys, nothing compiled
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def state_dict(module: Module, layout: Framework = "torch") -> dict[str, np.ndar
 
     >>> import jax, tapeflow as tfl
     >>> emb = tfl.nn.Embedding(5, 3, key=jax.random.key(0))
-    >>> lm = tfl.nn.Sequential(emb, tfl.nn.Linear(3, 3, key=jax.random.key(1)), emb.tied_output())
+    >>> head = tfl.nn.Linear(3, 3, key=jax.random.key(1))
+    >>> lm = tfl.nn.Sequential(emb, head, emb.tied_output())
     >>> sd = tfl.nn.state_dict(lm)
     >>> {k: v.shape for k, v in sd.items()}
     {'0.weight': (5, 3), '1.weight': (3, 3), '1.bias': (3,), '2.weight': (5, 3)}
@@ -298,7 +299,7 @@ def nnx_state(module: Module) -> PyTree:
     >>> import jax, tapeflow as tfl
     >>> mlp = tfl.nn.MLP([3, 4, 2], key=jax.random.key(0))
     >>> st = tfl.nn.nnx_state(mlp)
-    >>> sorted(st["layers"]), st["layers"][1]["kernel"].shape  # nnx.Linear's kernel is (in, out)
+    >>> sorted(st["layers"]), st["layers"][1]["kernel"].shape  # nnx.Linear's: (in, out)
     ([0, 1], (4, 2))
     """
     nested: dict[Any, Any] = {}
@@ -495,11 +496,12 @@ def load_state_dict(
     [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
     >>> tfl.nn.load_state_dict(lin, {"weight": w, "extra": w}, strict=False)
     IncompatibleKeys(missing_keys=['bias'], unexpected_keys=['extra'])
-    >>> try:
+    >>> try:  # doctest: +NORMALIZE_WHITESPACE
     ...     tfl.nn.load_state_dict(lin, {"weight": w.T, "bias": np.zeros(2, np.float32)})
     ... except ValueError as e:
     ...     print(str(e).splitlines()[1].strip())
-    'weight': got float32[3,2], expected float32[2,3] (Linear at '<root>' holds float32[3,2]; PyTorch layout: transposed)
+    'weight': got float32[3,2], expected float32[2,3]
+      (Linear at '<root>' holds float32[3,2]; PyTorch layout: transposed)
     """
     _check_layout(layout)
     if not isinstance(state_dict, Mapping):

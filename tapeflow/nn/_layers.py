@@ -304,7 +304,8 @@ class MultiHeadAttention(Module):
     ``torch.nn.MultiheadAttention(dropout=p)``; eval mode turns it off.
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
-    >>> mha = tfl.nn.MultiHeadAttention(8, 2, key=jax.random.key(0), causal=True, dropout=0.1)
+    >>> key = jax.random.key(0)
+    >>> mha = tfl.nn.MultiHeadAttention(8, 2, key=key, causal=True, dropout=0.1)
     >>> with tfl.Session() as s:
     ...     mha(s.input(jnp.ones((3, 5, 8)))).shape
     (3, 5, 8)
@@ -378,7 +379,9 @@ class Sequential(Module):
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> k1, k2 = jax.random.split(jax.random.key(0))
-    >>> net = tfl.nn.Sequential(tfl.nn.Linear(3, 4, key=k1), tfl.relu, tfl.nn.Linear(4, 1, key=k2))
+    >>> net = tfl.nn.Sequential(
+    ...     tfl.nn.Linear(3, 4, key=k1), tfl.relu, tfl.nn.Linear(4, 1, key=k2)
+    ... )
     >>> [n for n, _ in net.named_parameters()]
     ['0.weight', '0.bias', '2.weight', '2.bias']
     >>> with tfl.Session() as s:

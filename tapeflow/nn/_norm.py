@@ -185,7 +185,7 @@ class BatchNorm2d(_BatchNorm):
     """Batch normalization over ``(N, C, H, W)`` input, as ``torch.nn.BatchNorm2d`` (see :class:`BatchNorm1d`).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> bn = tfl.nn.BatchNorm2d(3).eval()          # eval mode: the running statistics (0 and 1)
+    >>> bn = tfl.nn.BatchNorm2d(3).eval()  # eval mode: the running statistics (0 and 1)
     >>> with tfl.Session(grad_enabled=False) as s:
     ...     y = bn(s.input(jnp.full((2, 3, 4, 4), 2.0)))
     ...     y.shape, round(float(y.value.max()), 4)
