@@ -353,7 +353,7 @@ class Grads(Mapping[GradKey, Array]):
 
     def __radd__(self, other: object) -> Grads:
         if isinstance(other, (int, float)) and other == 0:  # sum([g1, g2, ...]) and total = 0 starts
-            return self * 1
+            return Grads.of_storages(self._entries())
         return NotImplemented
 
     def __mul__(self, c: object) -> Grads:

@@ -654,10 +654,10 @@ class Session:
         entry = check_op(opname, attrs, tuple(specs))
         if isinstance(entry, str):
             raise TapeError(entry)
-        if entry.opdef.index_bounds is not None:
+        if (host is not None or self.debug_nans) and entry.opdef.index_bounds is not None:  # cheap test first
             if host is not None:
                 check_host_indices(entry.opdef, tuple(specs), dict(entry.attrs), host)
-            if self.debug_nans and _checks_device_indices(opname):
+            if self.debug_nans and entry.opdef.index_clamps:
                 self._check_device_indices(entry.opdef, tuple(specs), dict(entry.attrs), operands, plan, host)
         lazy = self._mode == "lazy" and not self._eagerly
         if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
