@@ -182,3 +182,30 @@ def test_return_stats_give_the_gradient_and_update_norms_of_the_same_step():
     assert step.trace_count == 1
     _, stats8 = _mlp_step(4, return_stats=True)[1](X, y)
     np.testing.assert_allclose(float(stats8.grad_norm), eager_norm, rtol=1e-10)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_refused_step_over_accumulated_grads_puts_back_every_microbatch_state(lazy):
+    bn = tfl.nn.BatchNorm1d(6, dtype=F64)
+    lin = tfl.nn.Linear(6, 1, key=jax.random.key(1), dtype=F64)
+    opt = tfl.Optimizer(optax.sgd(0.1), [lin.weight, lin.bias], check_finite=True)
+    start = np.asarray(bn.running_mean.value)
+    w0 = np.asarray(lin.weight.value)
+    s = tfl.Session(lazy=lazy)
+
+    def accumulate():
+        total = 0
+        for part in jnp.split(X, 2):
+            with s:
+                total = total + s.backward(tfl.mean(lin(bn(s.input(part))) ** 2))
+        return total
+
+    total = accumulate()
+    assert not np.array_equal(np.asarray(bn.running_mean.value), start)  # two forwards wrote the statistics
+    with pytest.raises(tfl.TapeError, match="non-finite"):
+        opt.step(total * float("inf"))
+    np.testing.assert_array_equal(np.asarray(bn.running_mean.value), start)  # both writes taken back
+    np.testing.assert_array_equal(np.asarray(lin.weight.value), w0)
+    opt.step(accumulate() / 2)  # a step that succeeds makes the writes final
+    moved = np.asarray(bn.running_mean.value)
+    assert not np.array_equal(moved, start) and not np.array_equal(np.asarray(lin.weight.value), w0)

@@ -166,6 +166,9 @@ class Grads(Mapping[GradKey, Array]):
         self._consumed: set[NodeId] = set()
         # how non-finite gradients are checked and explained (set by the session's backward; None: not at all)
         self.check: NonFiniteCheck | None = None
+        # the state logs of the recordings these gradients came from (eager state writes a failed optimizer
+        # step puts back; tapeflow._shell._state reads them); a sum or a scaled copy carries its operands'
+        self.state_logs: tuple[object, ...] = ()
 
     @property
     def by_leaf(self) -> dict[NodeId, Array]:
@@ -322,10 +325,14 @@ class Grads(Mapping[GradKey, Array]):
 
     # -- arithmetic (gradient accumulation) -------------------------------------
     @classmethod
-    def of_storages(cls, entries: Sequence[tuple[ParameterRecord, Storage, Array]]) -> Grads:
+    def of_storages(
+        cls, entries: Sequence[tuple[ParameterRecord, Storage, Array]], state_logs: tuple[object, ...] = ()
+    ) -> Grads:
         """A ``Grads`` of no recording: one group per ``(parameter, storage, gradient)`` entry."""
         groups = [ParameterGroup(i, prm, (i,), st) for i, (prm, st, _) in enumerate(entries)]
-        return cls({i: v for i, (_, _, v) in enumerate(entries)}, groups, owner=-1, generation=-1)
+        out = cls({i: v for i, (_, _, v) in enumerate(entries)}, groups, owner=-1, generation=-1)
+        out.state_logs = tuple({id(log): log for log in state_logs}.values())  # each recording's once, in order
+        return out
 
     def _entries(self) -> list[tuple[ParameterRecord, Storage, Array]]:
         self._check_live()
@@ -349,24 +356,26 @@ class Grads(Mapping[GradKey, Array]):
                     f"({got[2].dtype}{list(got[2].shape)} and {v.dtype}{list(v.shape)}); add gradients of one model"
                 )
             merged[id(st)] = (prm, st, v) if got is None else (got[0], st, sum_in_leaf_order([got[2], v]))
-        return Grads.of_storages(list(merged.values()))
+        return Grads.of_storages(list(merged.values()), self.state_logs + other.state_logs)
 
     def __radd__(self, other: object) -> Grads:
         if isinstance(other, (int, float)) and other == 0:  # sum([g1, g2, ...]) and total = 0 starts
-            return Grads.of_storages(self._entries())
+            return Grads.of_storages(self._entries(), self.state_logs)
         return NotImplemented
 
     def __mul__(self, c: object) -> Grads:
         if not _is_scalar(c):
             return NotImplemented
-        return Grads.of_storages([(p, st, v * jnp.asarray(c, v.dtype)) for p, st, v in self._entries()])
+        scaled = [(p, st, v * jnp.asarray(c, v.dtype)) for p, st, v in self._entries()]
+        return Grads.of_storages(scaled, self.state_logs)
 
     __rmul__ = __mul__
 
     def __truediv__(self, c: object) -> Grads:
         if not _is_scalar(c):
             return NotImplemented
-        return Grads.of_storages([(p, st, v / jnp.asarray(c, v.dtype)) for p, st, v in self._entries()])
+        scaled = [(p, st, v / jnp.asarray(c, v.dtype)) for p, st, v in self._entries()]
+        return Grads.of_storages(scaled, self.state_logs)
 
     def global_norm(self) -> Array:
         """The L2 norm of all gradients, each storage once (a tied weight's summed gradient counted once).

@@ -47,9 +47,6 @@ from ._params import Param, Storage
 
 __all__ = ["StateLog", "check_state_cell", "mode_reads", "note_mode_read", "state_log_of", "state_writes_refused"]
 
-_LOG_ATTR = "_tapeflow_state_log"
-"""The attribute under which a :class:`~tapeflow.Grads` carries the state log of its recording."""
-
 
 _MODE_READS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("tapeflow_mode_reads", default=None)
 
@@ -127,11 +124,32 @@ class StateLog:
     ([0.0, 0.0], 0)
     """
 
-    __slots__ = ("new", "old")
+    __slots__ = ("new", "old", "parts")
 
     def __init__(self) -> None:
         self.new: dict[Storage, Array] = {}
         self.old: dict[Storage, Array] = {}  # eager writes only: the value before the recording's first write
+        self.parts: tuple[StateLog, ...] = ()  # a merged log: the recordings' logs it stands for
+
+    @classmethod
+    def merged(cls, logs: list[StateLog]) -> StateLog:
+        """One log for several recordings in order (accumulated gradients): undo puts back the oldest values.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> st = tfl.Storage(jnp.zeros(()))
+        >>> a, b = StateLog(), StateLog()
+        >>> a.write(st, jnp.ones(()), eager=True); b.write(st, jnp.full((), 2.0), eager=True)
+        >>> StateLog.merged([a, b]).undo()
+        >>> float(st.read_current()), a.old, b.old
+        (0.0, {}, {})
+        """
+        out = cls()
+        out.parts = tuple(logs)
+        for log in logs:
+            for st, v in log.old.items():
+                out.old.setdefault(st, v)
+            out.new.update(log.new)
+        return out
 
     def write(self, st: Storage, v: Array, *, eager: bool) -> None:
         """Note ``v`` as the new value of ``st``; ``eager`` also writes the storage, remembering the old value."""
@@ -143,11 +161,14 @@ class StateLog:
 
     def undo(self) -> None:
         """Put back the values the eager writes replaced (one unit, Ctrl-C held off), and forget the writes."""
-        commit(self.old.items(), where="StateLog.undo", then=[self.old.clear, self.new.clear])
+        forget = [x.clear for log in (self, *self.parts) for x in (log.old, log.new)]
+        commit(self.old.items(), where="StateLog.undo", then=forget)
 
     def commit(self) -> None:
         """Make the writes final: a later failure no longer undoes them."""
         self.old.clear()
+        for log in self.parts:
+            log.old.clear()
 
     def assign(self, param: Param, value: ArrayLike, *, eager: bool) -> Array:
         """Check ``value`` as the new value of the state cell ``param`` (see :func:`check_state_cell`), cast it, note it.
@@ -187,7 +208,7 @@ class StateLog:
     def attach(self, grads: Grads) -> None:
         """Let ``grads`` carry this log (when it holds eager writes), so a failed optimizer step can undo them."""
         if self.old:
-            setattr(grads, _LOG_ATTR, self)
+            grads.state_logs = (self,)
 
 
 def check_state_cell(param: object) -> Param:
@@ -213,7 +234,7 @@ def check_state_cell(param: object) -> Param:
 
 
 def state_log_of(grads: object) -> StateLog | None:
-    """The state log of the recording ``grads`` came from (None: a mapping, or a recording that wrote no state).
+    """The state log of the recording(s) ``grads`` came from (None: a mapping, or recordings that wrote no state).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
@@ -221,5 +242,9 @@ def state_log_of(grads: object) -> StateLog | None:
     ...     state_log_of(s.backward(loss)) is None
     True
     """
-    log = getattr(grads, _LOG_ATTR, None) if isinstance(grads, Grads) else None
-    return log if isinstance(log, StateLog) and log.old else None
+    if not isinstance(grads, Grads):
+        return None
+    logs = [log for log in grads.state_logs if isinstance(log, StateLog) and log.old]
+    if len(logs) < 2:
+        return logs[0] if logs else None
+    return StateLog.merged(logs)  # accumulated gradients: a failed step puts back what every recording wrote
