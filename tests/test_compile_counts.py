@@ -333,3 +333,16 @@ def test_compiling_one_signature_again_and_again_does_not_warn():
             jax.clear_caches()  # the program is dropped: the next call compiles the same signature again
             step(X, Y)
     assert rec == []
+
+
+def test_an_optimizer_update_recompiled_for_a_new_state_type_says_which_leaf():
+    w = tfl.Param(jnp.ones(3), name="w")
+    opt = tfl.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), [w])
+    with tfl.compile_log(file=None) as log:
+        for lr in (None, 0.25):
+            if lr is not None:
+                opt.state.hyperparams["learning_rate"] = lr  # by hand, a Python float: a weakly typed leaf
+            with tfl.Session() as s:
+                opt.step(s.backward(tfl.sum(w * w)))
+    whys = [r.why for r in log.records if r.what.startswith("optimizer update")]
+    assert whys[-1] == "new weak type of optimizer state leaf 1: False -> True", whys
