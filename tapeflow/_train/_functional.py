@@ -542,8 +542,7 @@ class TrainStep:
             s2, loss2, aux2 = _trace_loss(
                 self.loss_fn, self.has_aux, ov, jax.random.fold_in(key, j), a, kw, self.compute_dtype, debug_nans
             )
-            g2 = s2.backward(loss2)
-            got = [None if g is None else g2.group_value(g) for g in map(g2.group_of, storages)]
+            got = s2.backward(loss2).storage_gradients(storages)
             w2 = s2.state_writes
             if [v is not None for v in got] != used or set(w2) - set(cells):
                 raise TapeError(
