@@ -35,8 +35,9 @@ class deferred_interrupts:
 
     Python runs signal handlers in the main thread only, so in any other thread
     the block runs unchanged (no ``KeyboardInterrupt`` can land there). Blocks
-    nest: an inner block hands a held signal to the outer one. It costs two
-    C-level ``signal`` calls, so a compiled step can afford it on every call.
+    nest: an inner block leaves the signal to the outer one, which delivers it
+    as it ends. The outermost block costs two C-level ``signal`` calls, an inner
+    one none, so a compiled step can afford them on every call.
 
     >>> with deferred_interrupts():
     ...     x = 1 + 1
@@ -46,23 +47,31 @@ class deferred_interrupts:
 
     __slots__ = ("_active", "_held", "_previous")
     _previous: Handler
+    _open = 0  # blocks open in the main thread: an inner one leaves the outer one's handler holding the signal
 
     def __enter__(self) -> None:
         self._active = self._held = False
         if threading.get_ident() != _MAIN:
+            return
+        if deferred_interrupts._open:  # nested: the outer block holds a Ctrl-C and delivers it as it ends
+            deferred_interrupts._open += 1
             return
         try:
             self._previous = _set_handler(_SIGINT, self._hold)
         except ValueError:  # not the main interpreter: signals cannot be handled here
             return
         self._active = True
+        deferred_interrupts._open = 1
 
     def _hold(self, signum: int, frame: FrameType | None) -> None:
         self._held = True
 
     def __exit__(self, *exc: object) -> None:
         if not self._active:
+            if deferred_interrupts._open > 1:  # an inner block of the main thread
+                deferred_interrupts._open -= 1
             return
+        deferred_interrupts._open = 0
         previous = self._previous
         _set_handler(_SIGINT, signal.SIG_DFL if previous is None else previous)
         if self._held:

@@ -153,14 +153,11 @@ class Grads(Mapping[GradKey, Array]):
         self.groups = groups
         self.owner = owner
         self.generation = generation
-        self._group_of_storage: dict[int, ParameterGroup] = {}
-        for g in groups:
-            if g.storage is not None:
-                self._group_of_storage[id(g.storage)] = g
+        self._by_storage: dict[int, ParameterGroup] | None = None  # made on first lookup (a fused step needs none)
         self._sums: dict[NodeId, Array] = {}
-        # leaves an optimizer can consume: a registration without a storage has nothing to update,
-        # so it never holds the other groups' buffers past the last optimizer step
-        self._param_leaves = {i for g in groups if g.storage is not None for i in g.leaves}
+        # leaves an optimizer can consume (made on the first consume): a registration without a storage has
+        # nothing to update, so it never holds the other groups' buffers past the last optimizer step
+        self._param_leaves: set[NodeId] | None = None
         self.released = False
         self.on_step: Callable[[], None] | None = None  # what an optimizer step over these gradients tells
         self._consumed: set[NodeId] = set()
@@ -226,6 +223,14 @@ class Grads(Mapping[GradKey, Array]):
             g = self._group_of_storage.get(id(st))
             out.append(None if g is None else self.group_gradient(g))
         return out
+
+    @property
+    def _group_of_storage(self) -> dict[int, ParameterGroup]:
+        """``{id(storage): its group}``, made once per Grads when first needed."""
+        by = self._by_storage
+        if by is None:
+            by = self._by_storage = {id(g.storage): g for g in self.groups if g.storage is not None}
+        return by
 
     def _check_live(self) -> None:
         if self.released:
@@ -304,13 +309,16 @@ class Grads(Mapping[GradKey, Array]):
         """
         if self.released:
             return
+        left = self._param_leaves
+        if left is None:
+            left = self._param_leaves = {i for g in self.groups if g.storage is not None for i in g.leaves}
         for g in groups:
             for i in g.leaves:
                 self._by_leaf.pop(i, None)
             self._sums.pop(g.id, None)
-            self._param_leaves.difference_update(g.leaves)
+            left.difference_update(g.leaves)
             self._consumed.add(g.id)
-        if not self._param_leaves:
+        if not left:
             self.release()
 
     def release(self) -> None:

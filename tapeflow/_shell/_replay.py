@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 
@@ -58,6 +58,9 @@ TENSOR, PARAM, SCALAR = 0, 1, 2
 
 _OP, _USE, _CONST = 0, 1, 2  # what an event's appended node is: the op's node, a Param use, a number's leaf
 
+
+NodeArgs = tuple[Any, ...]
+"""A node's constructor arguments ``(op, attrs, parents, value, requires_grad, shape, dtype, spec, opdef)``."""
 
 NodeKey = tuple[object, ...]
 """A node's static part as the outline compares it: ``(opdef, attrs, parents, requires_grad, spec)``."""
@@ -86,7 +89,9 @@ class Event(NamedTuple):
     storages: tuple[Storage | None, ...]  # per operand: the Param's storage when recorded
     trainable: tuple[bool, ...]  # per operand: the Param's trainable flag when recorded
     tracked: bool  # gradients were recorded (grad_enabled and no no_grad block)
-    plan: tuple[tuple[int, Node, int], ...]  # per appended node: (_OP, _USE or _CONST, template, operand)
+    # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
+    # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
+    plan: tuple[tuple[int, NodeArgs, int], ...]
 
     def replay(
         self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
@@ -96,37 +101,29 @@ class Event(NamedTuple):
         else None (the call is recorded the normal way)."""
         if opname != self.opname or tracked is not self.tracked or attrs != self.attrs:
             return None
-        kinds = self.kinds
-        if len(operands) != len(kinds) or R.REGISTRY.get(opname) is not self.opdef:  # or redefined since
+        if len(operands) != len(self.kinds) or R.REGISTRY.get(opname) is not self.opdef:  # or redefined since
             return None
-        refs, storages, trainable = self.refs, self.storages, self.trainable
-        for k, kind in enumerate(kinds):
-            o = operands[k]
-            r = refs[k]
+        for o, kind, r, st, tr in zip(operands, self.kinds, self.refs, self.storages, self.trainable):
             if kind == TENSOR:
                 if type(o) is not Tensor or o.id != r:
                     return None
             elif kind == PARAM:
-                if o is not r:
-                    return None
-                p = cast(Param, o)
-                if p.storage is not storages[k] or p.trainable is not trainable[k] or p.bound:
+                if o is not r or o.storage is not st or o.trainable is not tr or o.bound:  # type: ignore[attr-defined]
                     return None
             elif type(o) is not type(r) or o != r or (o == 0 and not same_scalar(o, r)):
                 return None
         out: list[Node] = []
         params: list[tuple[int, Param]] = []
-        for code, nd, k in self.plan:
+        for code, args, k in self.plan:  # each node from its template's arguments: only a use's value is new
             if code == _OP:
-                out.append(
-                    Node(nd.op, nd.attrs, nd.parents, PENDING, nd.requires_grad, nd.shape, nd.dtype, nd.spec, nd.opdef)
-                )
+                out.append(Node(*args))
             elif code == _USE:
                 p = cast(Param, operands[k])
                 params.append((len(out), p))
-                out.append(Node(None, (), (), p.storage.read(device), nd.requires_grad, nd.shape, nd.dtype, nd.spec))
+                rg, shape, dtype, spec = args  # a leaf's
+                out.append(Node(None, (), (), p.storage.read(device), rg, shape, dtype, spec))
             else:
-                out.append(nd)  # a number's constant leaf: the same immutable value
+                out.append(args[3])  # a number's constant leaf: the same immutable node
         return out, params
 
     @staticmethod
@@ -163,18 +160,19 @@ class Event(NamedTuple):
             storages.append(None)
             trainable.append(False)
         plan = tuple(
-            (_OP, _without_value(nd), k)
+            (_OP, _arguments(nd, PENDING), k)
             if k < 0
-            else (_CONST, nd, k)
+            else (_CONST, (None, (), (), nd, False, (), None, None, None), k)
             if kinds[k] == SCALAR
-            else (_USE, _without_value(nd), k)
+            else (_USE, (nd.requires_grad, nd.shape, nd.dtype, nd.spec), k)
             for nd, k in zip(nodes, sources)
         )
         return Event(opname, opdef, attrs, tuple(kinds), tuple(refs), tuple(storages), tuple(trainable), tracked, plan)
 
 
-def _without_value(nd: Node) -> Node:
-    return Node(nd.op, nd.attrs, nd.parents, None, nd.requires_grad, nd.shape, nd.dtype, nd.spec, nd.opdef)
+def _arguments(nd: Node, value: object) -> NodeArgs:
+    """What rebuilds ``nd`` with ``value``: ``Node(*args)`` (its static part is the template's)."""
+    return (nd.op, nd.attrs, nd.parents, value, nd.requires_grad, nd.shape, nd.dtype, nd.spec, nd.opdef)
 
 
 class Outline:

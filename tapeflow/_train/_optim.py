@@ -766,8 +766,11 @@ class Optimizer:
         try:
             storages = self._slot_storages
             device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
-            values = [st.read(device) for st in storages]
-            current = all(v is st.read_current() for v, st in zip(values, storages))
+            current = device is not None and Storage.all_on(storages, device)
+            # every current value on the leaves' device (the usual step): read as they are, in one call
+            values = Storage.read_current_many(storages) if current else [st.read(device) for st in storages]
+            if not current:
+                current = all(v is st.read_current() for v, st in zip(values, storages))
             out = lazy.step(leaves, StepCall(self.rule, check_finite), values, self.state, with_loss=debug)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used

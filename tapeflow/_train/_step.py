@@ -105,6 +105,21 @@ class SlotRule:
     slot_indices: Callable[[OptState], PyTree] = dataclasses.field(compare=False)
     describe: Callable[[int], str] = dataclasses.field(compare=False)
     tx_key: Hashable = dataclasses.field(default=None)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        # a rule is hashed by every program call it keys (a lazy step's cache, jit's static argument): once here
+        object.__setattr__(self, "_hash", hash((self.specs, self.keys, self.tx_key)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not SlotRule or self._hash != other._hash:
+            return False
+        return (self.specs, self.keys, self.tx_key) == (other.specs, other.keys, other.tx_key)
 
     @classmethod
     def of(
@@ -148,6 +163,14 @@ class StepCall:
 
     rule: SlotRule
     check_finite: bool
+
+    def __hash__(self) -> int:
+        return hash(self.rule) ^ self.check_finite  # the rule's hash is computed once
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            type(other) is StepCall and self.check_finite is other.check_finite and self.rule == other.rule
+        )
 
     def __call__(
         self, parts: SlotParts, values: Sequence[Array], state: OptState, loss: Array | None = None
@@ -297,7 +320,7 @@ def finish(
     owner: HasState,
     *,
     replacing: Sequence[Array] | None = None,
-    state_writes: Iterable[tuple[Storage, Array]] = (),
+    state_writes: Sequence[tuple[Storage, Array]] = (),
     then: Iterable[Callable[[], None]] = (),
     restore_on_refusal: bool = False,
     traced: bool = False,
@@ -331,13 +354,21 @@ def finish(
         what = "the loss is not finite" if bad >= len(rule.specs) else f"non-finite gradient for {rule.describe(bad)}"
         message = f"{where}: {what}; nothing was updated"
         raise TapeError(message) if explain is None else explain(message)
-    slots = [k for k, u in enumerate(used) if u]
-    writes = [(storages[k], out.values[k]) for k in slots] + list(state_writes)
+    if all(used):  # the usual step: every slot
+        slots: Sequence[int] = range(len(used))
+        writes = list(zip(storages, out.values))
+    else:
+        slots = [k for k, u in enumerate(used) if u]
+        writes = [(storages[k], out.values[k]) for k in slots]
+        if replacing is not None:
+            replacing = [replacing[k] for k in slots]
+    if state_writes:
+        writes += state_writes
     commit(
         writes,
         where=where,
         label=lambda i: rule.describe(slots[i]) if i < len(slots) else repr(writes[i][0]),
-        replacing=None if replacing is None else [replacing[k] for k in slots],
+        replacing=replacing,
         then=[partial(setattr, owner, "state", out.state), *then],
         traced=traced,
     )
