@@ -38,8 +38,10 @@ every structure names the table's epoch, so ids of two epochs never meet.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from itertools import compress, repeat
 from typing import NamedTuple, TypeAlias, TypeVar, cast
 
 import jax
@@ -211,15 +213,27 @@ def eager_fingerprint(tape: Tape) -> Fingerprint | None:
 
 def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:
     """The pending node ids of ``tape`` and the values of all the others, in node order."""
-    pending: list[NodeId] = []
-    given: list[Array] = []
-    for i, nd in enumerate(tape.nodes):
-        v = nd.value
-        if v is PENDING:
-            pending.append(i)
-        else:
-            given.append(v)
-    return tuple(pending), given
+    values = [nd.value for nd in tape]
+    waiting = list(map(operator.is_, values, repeat(PENDING)))  # no Python-level loop body: once per step
+    return tuple(compress(range(len(values)), waiting)), list(compress(values, map(operator.not_, waiting)))
+
+
+def _given_offsets(pending: tuple[NodeId, ...], slots: tuple[tuple[NodeId, ...] | None, ...]) -> tuple[int, ...]:
+    """Per slot, where its first leaf's value is in the program's ``given`` values (-1: an unused slot).
+
+    ``given`` holds every value that is not pending, in node order. The last answer is kept: every replayed
+    step of one recording asks the same question.
+    """
+    global _last_offsets
+    last = _last_offsets
+    if last is not None and last[0] == pending and last[1] == slots:
+        return last[2]
+    offsets = tuple(-1 if ls is None else ls[0] - bisect.bisect_left(pending, ls[0]) for ls in slots)
+    _last_offsets = (pending, slots, offsets)
+    return offsets
+
+
+_last_offsets: tuple[tuple[NodeId, ...], tuple[tuple[NodeId, ...] | None, ...], tuple[int, ...]] | None = None
 
 
 def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
@@ -366,11 +380,7 @@ class LazyGrads:
         pending, given = _split(self.tape)
         slots = tuple(slot_leaves)
         # a slot whose current value is its first leaf's snapshot (the usual step) is passed once, as that leaf
-        nodes = self.tape.nodes
-        alias = tuple(
-            -1 if ls is None or nodes[ls[0]].value is not v else ls[0] - bisect.bisect_left(pending, ls[0])
-            for ls, v in zip(slots, values)
-        )
+        alias = tuple(-1 if k < 0 or given[k] is not v else k for k, v in zip(_given_offsets(pending, slots), values))
         rest = [v for v, a in zip(values, alias) if a < 0]
 
         def build() -> Callable[[list[Array], Array | None, list[Array], OptState, StepFn[S]], tuple[S, Array]]:
