@@ -245,6 +245,62 @@ def test_grad_mode_and_trainable_flags_are_part_of_the_match():
             assert y.requires_grad and (replayed(s) == len(s.recording)) == bool(k)
 
 
+def test_the_match_written_out_for_an_event_answers_as_the_generic_one():
+    """An event that replayed once matches by code generated for it: every difference must still be one."""
+    w, b, other = (tfl.Param(np.ones(s, F32), name=n) for n, s in (("w", (3, 2)), ("b", (2,)), ("o", (3, 2))))
+    s = tfl.Session(lazy=True)
+
+    def forward():
+        h = tfl.linear(s.input(np.ones((4, 3), F32)), w, b)
+        return tfl.sum(h * 0.0)
+
+    for _ in range(3):  # the third recording replays the second: each of its events has its code now
+        with s:
+            forward()
+    events = s._outline.events
+    lin, mul = (events[i] for i in sorted(events)[:2])
+    assert lin._fast is not None and mul._fast is not None
+    with s:
+        x = s.input(np.ones((4, 3), F32))
+        h = tfl.linear(x, w, b)  # node 3, as recorded
+        x2 = s.input(np.ones((4, 3), F32))  # another handle: node 4, where the event saw node 0
+        dev = s.device
+        calls = [
+            (lin, ("linear", (x, w, b), (), True, dev)),  # the recorded call
+            (lin, ("linear", (x2, w, b), (), True, dev)),
+            (lin, ("linear", (x, other, b), (), True, dev)),
+            (lin, ("linear", (x, w, b, b), (), True, dev)),
+            (lin, ("linear", (x, w, 1.0), (), True, dev)),
+            (lin, ("matmul", (x, w, b), (), True, dev)),
+            (lin, ("linear", (x, w, b), (), False, dev)),  # recorded with gradients, asked without
+            (lin, ("linear", (x, w, b), (("axis", int, 1),), True, dev)),
+            (mul, ("mul", (h, 0.0), (), True, dev)),
+            (mul, ("mul", (h, -0.0), (), True, dev)),  # -0.0 == 0.0 but is another constant
+            (mul, ("mul", (h, 0), (), True, dev)),
+            (mul, ("mul", (h, False), (), True, dev)),
+            (mul, ("mul", (x, 0.0), (), True, dev)),
+        ]
+        matched = [_same_answer(ev, args) for ev, args in calls]
+        assert matched == [True] + [False] * 7 + [True] + [False] * 4
+        w.trainable = False  # the Param of the event, now frozen
+        assert not _same_answer(lin, calls[0][1])
+    w.trainable = True
+
+
+def _same_answer(ev, args) -> bool:
+    """Whether ``ev`` matches the call ``args``; its generic and generated matches must agree, nodes included."""
+    generic, written = ev.match(*args), ev._fast(*args)
+    assert (generic is None) == (written is None), args[:2]
+    if generic is None:
+        return False
+    (gn, gp), (wn, wp) = generic, written
+    assert gp == wp
+    static = [(n.op, n.attrs, n.parents, n.requires_grad, n.spec, n.opdef) for n in gn]
+    assert static == [(n.op, n.attrs, n.parents, n.requires_grad, n.spec, n.opdef) for n in wn]
+    assert all(a.value is c.value for a, c in zip(gn, wn) if a.op is None)  # each use reads the storage
+    return True
+
+
 def test_each_param_use_reads_its_storage_when_replayed():
     w = tfl.Param(np.ones(2, F32), name="w")
     s = tfl.Session(lazy=True)

@@ -25,6 +25,10 @@ there. Handles, generations, Param snapshots, the RNG counter and failure
 atomicity are those of the normal path by construction: the replayed call checks
 its handles first and builds the same nodes.
 
+An event that has replayed once matches by code written out for it (its
+operand tests and node constructors, no loop over operand kinds): the same
+answer as :meth:`Event.match` for every call, at about half the cost.
+
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> w = tfl.Param(jnp.ones(3))
 >>> s = tfl.Session(lazy=True)
@@ -39,8 +43,8 @@ its handles first and builds the same nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 import jax
 
@@ -78,22 +82,51 @@ def same_scalar(a: object, b: object) -> bool:
     return a != 0 or type(a) is not float or math.copysign(1.0, a) == math.copysign(1.0, cast(float, b))
 
 
-class Event(NamedTuple):
+class Event:
     """One ``apply`` call of a lazy recording, and the nodes it appended (values left out)."""
 
-    opname: str
-    opdef: R.OpDef
-    attrs: Hashable  # the call's attributes as the op check keys them (typed: 1, 1.0 and True differ)
-    kinds: tuple[int, ...]  # per operand: TENSOR, PARAM or SCALAR
-    refs: tuple[object, ...]  # per operand: the node id, the Param, the number
-    storages: tuple[Storage | None, ...]  # per operand: the Param's storage when recorded
-    trainable: tuple[bool, ...]  # per operand: the Param's trainable flag when recorded
-    tracked: bool  # gradients were recorded (grad_enabled and no no_grad block)
-    # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
-    # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
-    plan: tuple[tuple[int, NodeArgs, int], ...]
+    __slots__ = ("_fast", "attrs", "kinds", "opdef", "opname", "plan", "refs", "storages", "tracked", "trainable")
+
+    def __init__(
+        self,
+        opname: str,
+        opdef: R.OpDef,
+        attrs: Hashable,
+        kinds: tuple[int, ...],
+        refs: tuple[object, ...],
+        storages: tuple[Storage | None, ...],
+        trainable: tuple[bool, ...],
+        tracked: bool,
+        plan: tuple[tuple[int, NodeArgs, int], ...],
+    ) -> None:
+        self.opname = opname
+        self.opdef = opdef
+        self.attrs = attrs  # the call's attributes as the op check keys them (typed: 1, 1.0 and True differ)
+        self.kinds = kinds  # per operand: TENSOR, PARAM or SCALAR
+        self.refs = refs  # per operand: the node id, the Param, the number
+        self.storages = storages  # per operand: the Param's storage when recorded
+        self.trainable = trainable  # per operand: the Param's trainable flag when recorded
+        self.tracked = tracked  # gradients were recorded (grad_enabled and no no_grad block)
+        # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
+        # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
+        self.plan = plan
+        # this event's match with its tests written out, made when it first replays (a training loop replays
+        # one event per op per step)
+        self._fast: Replay | None = None
 
     def replay(
+        self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
+    ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
+        """:meth:`match`: by the code generated for this event once it has replayed (the same answer, faster)."""
+        fast = self._fast
+        if fast is not None:
+            return fast(opname, operands, attrs, tracked, device)
+        got = self.match(opname, operands, attrs, tracked, device)
+        if got is not None:
+            self._fast = _specialized(self)
+        return got
+
+    def match(
         self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
     ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
         """If a call of ``opname`` with these operands, attributes and context is this event again: the nodes to
@@ -168,6 +201,65 @@ class Event(NamedTuple):
             for nd, k in zip(nodes, sources)
         )
         return Event(opname, opdef, attrs, tuple(kinds), tuple(refs), tuple(storages), tuple(trainable), tracked, plan)
+
+
+Replay = Callable[
+    [str, Sequence[object], Hashable, bool, jax.Device], "tuple[list[Node], list[tuple[int, Param]]] | None"
+]
+"""An event's match: ``replay(opname, operands, attrs, tracked, device)`` as :meth:`Event.match` answers it."""
+
+
+def _specialized(ev: Event) -> Replay:
+    """:meth:`Event.match` for ``ev`` alone, its tests and nodes written out (no loop over operand kinds).
+
+    Generated once per event, the first time it replays, as ``dataclasses`` writes its
+    methods: every value the code compares with or builds from is a name bound in its
+    namespace (never text spliced into the source), except operand positions and node ids.
+    """
+    ns: dict[str, object] = {
+        "Node": Node, "Tensor": Tensor, "REGISTRY": R.REGISTRY, "same_scalar": same_scalar,
+        "OPNAME": ev.opname, "OPDEF": ev.opdef, "ATTRS": ev.attrs, "TRACKED": ev.tracked,
+    }  # fmt: skip
+    n = len(ev.kinds)
+    names = "".join(f"o{k}, " for k in range(n))
+    body = [
+        f"    if opname != OPNAME or tracked is not TRACKED or attrs != ATTRS or len(operands) != {n}:",
+        "        return None",
+        "    if REGISTRY.get(opname) is not OPDEF:  # redefined since",
+        "        return None",
+    ]
+    if n:
+        body.append(f"    {names}= operands")
+    for k, (kind, r) in enumerate(zip(ev.kinds, ev.refs)):
+        if kind == TENSOR:
+            body.append(f"    if type(o{k}) is not Tensor or o{k}.id != {int(cast(int, r))}:")
+        elif kind == PARAM:
+            ns[f"P{k}"], ns[f"S{k}"], ns[f"T{k}"] = r, ev.storages[k], ev.trainable[k]
+            body.append(
+                f"    if o{k} is not P{k} or o{k}.storage is not S{k} or o{k}.trainable is not T{k} or o{k}.bound:"
+            )
+        else:
+            ns[f"R{k}"], ns[f"K{k}"] = r, type(r)
+            body.append(
+                f"    if type(o{k}) is not K{k} or o{k} != R{k} or (o{k} == 0 and not same_scalar(o{k}, R{k})):"
+            )
+        body.append("        return None")
+    nodes: list[str] = []
+    uses: list[str] = []
+    for j, (code, args, k) in enumerate(ev.plan):
+        ns[f"A{j}"] = args
+        if code == _OP:
+            nodes.append(f"Node(*A{j})")
+        elif code == _USE:
+            uses.append(f"({j}, o{k})")
+            nodes.append(f"Node(None, (), (), S{k}.read(device), *A{j})")
+        else:
+            ns[f"C{j}"] = args[3]
+            nodes.append(f"C{j}")
+    body.append(f"    return [{', '.join(nodes)}], [{', '.join(uses)}]")
+    src = "def replay(opname, operands, attrs, tracked, device):\n" + "\n".join(body) + "\n"
+    exec(compile(src, f"<tapeflow replay of {ev.opname}>", "exec"), ns)
+    return cast(Replay, ns["replay"])
 
 
 def _arguments(nd: Node, value: object) -> NodeArgs:
