@@ -145,8 +145,10 @@ class BackwardPlan(NamedTuple):
         mine, st = self.params, self.storages
         if len(params) != len(mine) or len(storages) != len(st):
             return False
-        get, sget = params.get, storages.get
-        return all(get(i) is p for i, p in mine.items()) and all(sget(i) is v for i, v in st.items())
+        # the very same Params and storages at the same leaves (identity, compared without a Python loop body)
+        return all(map(operator.is_, map(params.get, mine), mine.values())) and all(
+            map(operator.is_, map(storages.get, st), st.values())
+        )
 
 
 class LazyRecording:
