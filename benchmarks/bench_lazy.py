@@ -24,7 +24,9 @@ recordings of the same forward) and at most 3 us in a fresh one (recorded, never
 
 Timing is min-of-k (best of ``k`` repeats, each the mean over ``n`` steps), the variants of
 one model interleaved repeat by repeat so machine noise hits them alike; times are printed,
-never asserted. XLA runs single-threaded like PyTorch.
+never asserted. XLA runs single-threaded like PyTorch. ``k`` is 15: with 5, two full runs on
+one shared 2-core machine differed by up to 25% in a ratio (the best repeat of few is still
+hit by a burst of noise); the minimum of more short repeats is the floor more reliably.
 
 Usage::
 
@@ -69,6 +71,7 @@ TARGET_EAGER_VS_TORCH_OVERHEAD_MLP = 0.75  # the two overhead-bound MLPs
 TARGET_EAGER_VS_TORCH = 1.0  # every other model
 TARGET_US_PER_OP_REPLAYED = 1.5
 TARGET_US_PER_OP_FRESH = 3.0
+REPEATS = 15  # k of min-of-k (see the module docstring)
 LM = {"vocab": 80, "context": 48, "dim": 64, "heads": 4, "layers": 2, "batch": 32}
 
 
@@ -278,7 +281,7 @@ def tapeflow_step(m: Any, variant: str) -> tuple[Callable[[], Any], Callable[...
     return step, loss_fn, opt
 
 
-def record_cost(m: Any, fresh: bool) -> tuple[float, int, int]:
+def record_cost(m: Any, fresh: bool, k: int = REPEATS) -> tuple[float, int, int]:
     """Seconds of Python per recorded op of a lazy forward (recorded, never computed), the op count and the
     node count (ops plus the leaves they record: inputs, one per Param use, constants).
 
@@ -303,9 +306,9 @@ def record_cost(m: Any, fresh: bool) -> tuple[float, int, int]:
             loss_fn(box[0], x, y)
         box[0].reset()
 
-    t = min_of_k(record, 50, 5)
+    t = min_of_k(record, 50, k)
     if fresh:  # the session's creation is not recording: take it out
-        t -= min_of_k(lambda: tfl.Session(lazy=True), 50, 5)
+        t -= min_of_k(lambda: tfl.Session(lazy=True), 50, k)
     return t / ops, ops, nodes
 
 
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> Results:
     ap.add_argument("--quick", action="store_true", help="few repeats (numbers are rough)")
     add_json_arg(ap)
     args = ap.parse_args(argv)
-    n, k = (5, 2) if args.quick else (30, 5)
+    n, k = (5, 2) if args.quick else (30, REPEATS)
     res = Results("bench_lazy", quick=args.quick)
     print(f"tapeflow {tfl.__version__}, jax {jax.__version__}, torch {None if torch is None else torch.__version__}")
     print(
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> Results:
     print("Python per recorded op of a lazy forward (recorded, not computed):")
     for m in models():
         for fresh, target in ((False, TARGET_US_PER_OP_REPLAYED), (True, TARGET_US_PER_OP_FRESH)):
-            per_op, ops, nodes = record_cost(m, fresh)
+            per_op, ops, nodes = record_cost(m, fresh, k)
             kind = "fresh" if fresh else "replayed"
             res.add("per_op", m.name, f"lazy_record_{kind}", per_op, per="op", ops=ops, nodes=nodes)
             print(
