@@ -107,3 +107,66 @@ def small_gc_heap():
         yield
     finally:
         gc.unfreeze()
+
+
+@pytest.fixture(scope="module")
+def small_gc_heap_for_module():
+    """``small_gc_heap`` for a whole module: what earlier modules left is frozen from its first test to its last.
+
+    For a module whose tests call ``gc.collect()`` often (to check that a wrapper, an array or a
+    recording was freed): each such collection then walks only what the module made, not the
+    whole heap (late in the suite about a second per call). What the module makes is collected
+    as before, so every check that something was freed still runs on the same objects. Modules
+    opt in with ``pytestmark = pytest.mark.usefixtures("small_gc_heap_for_module")``; a test of
+    such a module must not use ``small_gc_heap`` (its ``gc.unfreeze()`` ends the module's freeze).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+# The long test files (most of few tests), their rough time in seconds on CI (two cores, two workers). Under
+# `pytest -n 2 --dist loadfile` they are handed out first, longest first (pytest_xdist_make_scheduler
+# below); the other files follow in xdist's own order. Only the order changes, never what runs.
+LONG_FILES = {
+    "test_examples.py": 150,  # the example scripts and the notebook, several in fresh interpreters
+    "test_docs.py": 105,  # the doc pages' code, the docstring examples, a strict mkdocs build
+    "test_fuzz_session.py": 80,  # one test: the stateful fuzzer (two to three times slower late in a run)
+    "test_lint.py": 70,  # three tests: ruff, and mypy from a cold cache
+    "test_remat.py": 40,  # its many gc.collect() calls (small_gc_heap_for_module)
+    "test_docs_layout.py": 30,  # one mkdocs build
+}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``--dist loadfile`` that hands out the files of ``LONG_FILES`` first, the longest first.
+
+    xdist hands out the files with the most tests first, so the long files of few tests (the
+    fuzzer's one test, the linters' three, one mkdocs build) came last: one worker ran them
+    while the other had nothing left to do. Started first instead, they overlap the many short
+    files, which then fill the end of the run on both workers. Other ``--dist`` modes, and an
+    xdist whose scheduler has no work queue to reorder, keep xdist's own scheduling.
+    """
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):
+        return None
+
+    class LongFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node: object) -> None:
+            queue = getattr(self, "workqueue", None)
+            if queue and hasattr(queue, "move_to_end"):
+                long = [scope for scope in queue if Path(scope).name in LONG_FILES]
+                if long:
+                    queue.move_to_end(max(long, key=lambda scope: LONG_FILES[Path(scope).name]), last=False)
+            super()._assign_work_unit(node)
+
+    return LongFilesFirst(config, log)

@@ -24,6 +24,9 @@ from tapeflow import TapeError
 F64 = np.float64
 RTOL = 1e-12
 
+# Every test ends with gc.collect() (below) and several collect inside: each walks only what this module made.
+pytestmark = pytest.mark.usefixtures("small_gc_heap_for_module")
+
 
 @pytest.fixture(autouse=True)
 def _registry_left_as_found():
