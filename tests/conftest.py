@@ -99,14 +99,7 @@ def small_gc_heap():
     collections that walk them all (3.5x slower than the same test run alone). Frozen objects
     are skipped by the collector until the test ends.
     """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    yield from _frozen_heap()
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +113,11 @@ def small_gc_heap_for_module():
     opt in with ``pytestmark = pytest.mark.usefixtures("small_gc_heap_for_module")``; a test of
     such a module must not use ``small_gc_heap`` (its ``gc.unfreeze()`` ends the module's freeze).
     """
+    yield from _frozen_heap()
+
+
+def _frozen_heap():
+    """Collect, then freeze every object alive now until the caller's fixture ends (see small_gc_heap)."""
     import gc
 
     gc.collect()
