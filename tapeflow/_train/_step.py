@@ -109,7 +109,11 @@ class SlotRule:
 
     def __post_init__(self) -> None:
         # a rule is hashed by every program call it keys (a lazy step's cache, jit's static argument): once here
-        object.__setattr__(self, "_hash", hash((self.specs, self.keys, self.tx_key)))
+        object.__setattr__(self, "_hash", hash(self._compared()))
+
+    def _compared(self) -> tuple[Hashable, ...]:
+        """What two rules must share to be equal (the fields that take part in comparisons)."""
+        return (self.specs, self.keys, self.tx_key)
 
     def __hash__(self) -> int:
         return self._hash
@@ -119,7 +123,7 @@ class SlotRule:
             return True
         if type(other) is not SlotRule or self._hash != other._hash:
             return False
-        return (self.specs, self.keys, self.tx_key) == (other.specs, other.keys, other.tx_key)
+        return self._compared() == other._compared()
 
     @classmethod
     def of(
