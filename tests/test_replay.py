@@ -23,7 +23,10 @@ F32 = np.float32
 
 
 def replayed(s: tfl.Session) -> int:
-    """How many nodes of the current recording matched the session's outline (0: nothing replayed)."""
+    """How many nodes of the current recording matched the session's outline (0: nothing replayed).
+
+    Reads the recording first: a lane (a replay that has built no nodes) builds them, and counts them then."""
+    s.recording
     ol = s._outline
     return 0 if ol is None else ol.matched
 

@@ -42,7 +42,7 @@ import operator
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from itertools import compress, repeat
-from typing import NamedTuple, TypeAlias, TypeVar, cast
+from typing import NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
 from ._params import Storage
 
-__all__ = ["BackwardPlan", "Fingerprint", "LazyGrads", "LazyRecording", "eager_fingerprint", "materialize"]
+__all__ = ["BackwardPlan", "Deferred", "Fingerprint", "LazyGrads", "LazyRecording", "eager_fingerprint", "materialize"]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
@@ -311,26 +311,80 @@ def _gradients(
     return tape_backward(t, root, seed=seed, wrt=ids), t[root].value
 
 
+class Deferred(Protocol):
+    """A recording whose nodes are built when first read (a lazy session's lane: :class:`tapeflow._shell._replay.Lane`)."""
+
+    def tape(self) -> Tape:
+        """The recording's nodes (built once)."""
+        ...
+
+    def values(self) -> tuple[tuple[NodeId, ...], list[Array]] | None:
+        """The pending ids and the other nodes' values without building them; None: use :meth:`tape`."""
+        ...
+
+    def leaf_value(self, i: NodeId) -> Array:
+        """Leaf ``i``'s value (while :meth:`values` answers)."""
+        ...
+
+    def fill(self, i: NodeId, value: Array) -> None:
+        """Pending node ``i``'s computed value."""
+        ...
+
+
 class LazyGrads:
     """The gradients of one lazy ``backward``, computed when first needed (see :class:`~tapeflow.Grads`).
 
-    Holds the tape value it was taken from (its values are the programs'
-    arguments), the root, the seed and the requested ids. Programs keep only
-    the structure (:func:`_skeleton`), never a step's arrays.
+    Holds the recording it was taken from (a tape, or a :class:`Deferred` one whose
+    nodes are built only if something needs them: its values are the programs'
+    arguments), the root, the seed and the requested ids. Programs keep only the
+    structure (:func:`_skeleton`), never a step's arrays.
     """
 
-    __slots__ = ("ids", "root", "seed", "struct", "tape")
+    __slots__ = ("ids", "recording", "root", "seed", "struct")
 
-    def __init__(self, struct: Structure, tape: Tape, root: NodeId, seed: Array | None, ids: Sequence[NodeId]):
-        self.tape, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
+    def __init__(
+        self,
+        struct: Structure,
+        tape: Tape | Deferred,
+        root: NodeId,
+        seed: Array | None,
+        ids: Sequence[NodeId],
+    ):
+        self.recording, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
         self.struct = struct  # LazyRecording.structure(tape)
+
+    @property
+    def tape(self) -> Tape:
+        """The recording as a tape (a deferred one's nodes are built now)."""
+        rec = self.recording
+        return rec if type(rec) is Tape else cast(Deferred, rec).tape()
+
+    def _values(self) -> tuple[tuple[NodeId, ...], list[Array]]:
+        """The pending node ids and the values of all the others, in node order (what a program takes)."""
+        rec = self.recording
+        if type(rec) is not Tape:
+            got = cast(Deferred, rec).values()
+            if got is not None:
+                return got
+        return _split(self.tape)
+
+    def leaf_value(self, i: NodeId) -> Array:
+        """The value of leaf ``i`` of the recording."""
+        rec = self.recording
+        if type(rec) is not Tape and cast(Deferred, rec).values() is not None:
+            return cast(Deferred, rec).leaf_value(i)
+        return self.tape[i].value
 
     def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> tuple[Hashable, ...]:
         seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))
         return (kind, self.struct, pending, self.root, self.ids, seed, *extra)
 
     def _set_root(self, value: Array) -> None:
-        fill_pending(self.tape, (self.root,), (value,))  # kept only while the root still waits for it
+        rec = self.recording
+        if type(rec) is Tape:
+            fill_pending(rec, (self.root,), (value,))  # kept only while the root still waits for it
+        else:
+            cast(Deferred, rec).fill(self.root, value)
 
     def _gradients_fn(self, pending: tuple[NodeId, ...]) -> Callable[..., tuple[list[Array], Array]]:
         skel, pend, root, ids = _skeleton(self.tape), frozenset(pending), self.root, self.ids
@@ -349,7 +403,7 @@ class LazyGrads:
         report a failing VJP (a user op's wrong cotangent, a checkpointed block
         that reads other parameters) only when the gradients are computed.
         """
-        pending, given = _split(self.tape)
+        pending, given = self._values()
         key = self._key("grad", pending)
         if _CHECKED.hit(key) is None:
             jax.eval_shape(self._gradients_fn(pending), given, self.seed)
@@ -357,7 +411,7 @@ class LazyGrads:
 
     def resolve(self) -> dict[NodeId, Array]:
         """Run the gradient program: ``{id: cotangent}`` for every requested id (and keep the root's value)."""
-        pending, given = _split(self.tape)
+        pending, given = self._values()
         key = self._key("grad", pending)
         cts, root = _program(key, lambda: jax.jit(self._gradients_fn(pending)))(given, self.seed)
         self._set_root(root)
@@ -379,7 +433,7 @@ class LazyGrads:
         key), given each slot's cotangents; ``with_loss`` also hands it the root's
         value (``loss=``, for ``debug_nans``).
         """
-        pending, given = _split(self.tape)
+        pending, given = self._values()
         slots = tuple(slot_leaves)
         # a slot whose current value is its first leaf's snapshot (the usual step) is passed once, as that leaf
         alias = tuple(-1 if k < 0 or given[k] is not v else k for k, v in zip(_given_offsets(pending, slots), values))

@@ -42,20 +42,23 @@ answer as :meth:`Event.match` for every call, at about half the cost.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import jax
+import numpy as np
 
 from .._core import _registry as R
 from .._core._node import PENDING, Node
-from .._core._tape import Tape
-from .._core._typing import NodeId
+from .._core._tape import Tape, append_nodes, fill_pending
+from .._core._typing import Array, NodeId, Shape
+from ._lazy import BackwardPlan, Structure
 from ._params import Param, Storage
 from ._tensor import Tensor
 
-__all__ = ["PARAM", "SCALAR", "TENSOR", "Event", "Outline", "node_key", "same_scalar"]
+__all__ = ["PARAM", "SCALAR", "TENSOR", "Event", "Lane", "Outline", "node_key", "same_scalar"]
 
 TENSOR, PARAM, SCALAR = 0, 1, 2
 """What an operand of an :class:`Event` was: a handle (its node id), a Param (by identity), a Python number."""
@@ -85,7 +88,9 @@ def same_scalar(a: object, b: object) -> bool:
 class Event:
     """One ``apply`` call of a lazy recording, and the nodes it appended (values left out)."""
 
-    __slots__ = ("_fast", "attrs", "kinds", "opdef", "opname", "plan", "refs", "storages", "tracked", "trainable")
+    __slots__ = (
+        "_fast", "_lane", "attrs", "kinds", "opdef", "opname", "out", "plan", "refs", "storages", "tracked", "trainable"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -110,9 +115,28 @@ class Event:
         # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
         # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
         self.plan = plan
+        op = plan[-1][1]  # the op's node comes last
+        self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
         # this event's match with its tests written out, made when it first replays (a training loop replays
         # one event per op per step)
         self._fast: Replay | None = None
+        self._lane: LaneMatch | None = None  # the same tests, for a lane (made when first asked)
+
+    def lane(
+        self,
+        opname: str,
+        operands: Sequence[object],
+        attrs: Hashable,
+        tracked: bool,
+        device: jax.Device,
+        vals: list[Array],
+    ) -> bool:
+        """:meth:`match` for a :class:`Lane`: on a match, append the values of the leaves the call records (each
+        Param use reads its storage now, a number's constant) to ``vals`` and return True; nodes are built later."""
+        fn = self._lane
+        if fn is None:
+            fn = self._lane = _specialized(self, lane=True)
+        return fn(opname, operands, attrs, tracked, device, vals)
 
     def replay(
         self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
@@ -123,7 +147,7 @@ class Event:
             return fast(opname, operands, attrs, tracked, device)
         got = self.match(opname, operands, attrs, tracked, device)
         if got is not None:
-            self._fast = _specialized(self)
+            self._fast = cast(Replay, _specialized(self))
         return got
 
     def match(
@@ -141,7 +165,8 @@ class Event:
                 if type(o) is not Tensor or o.id != r:
                     return None
             elif kind == PARAM:
-                if o is not r or o.storage is not st or o.trainable is not tr or o.bound:  # type: ignore[attr-defined]
+                # (an event holds no bound Param, and a Param's binding is fixed at creation: identity covers it)
+                if o is not r or o.storage is not st or o.trainable is not tr:  # type: ignore[attr-defined]
                     return None
             elif type(o) is not type(r) or o != r or (o == 0 and not same_scalar(o, r)):
                 return None
@@ -180,6 +205,8 @@ class Event:
                 kinds.append(TENSOR)
                 refs.append(o.id)
             elif isinstance(o, Param):
+                if o.bound:
+                    return None  # a pytree view of a Param records its bound value: not replayed
                 kinds.append(PARAM)
                 refs.append(o)
                 storages.append(o.storage)
@@ -208,13 +235,18 @@ Replay = Callable[
 ]
 """An event's match: ``replay(opname, operands, attrs, tracked, device)`` as :meth:`Event.match` answers it."""
 
+LaneMatch = Callable[[str, Sequence[object], Hashable, bool, jax.Device, list[Array]], bool]
+"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals)`` (see :meth:`Event.lane`)."""
 
-def _specialized(ev: Event) -> Replay:
+
+def _specialized(ev: Event, lane: bool = False) -> Any:
     """:meth:`Event.match` for ``ev`` alone, its tests and nodes written out (no loop over operand kinds).
 
     Generated once per event, the first time it replays, as ``dataclasses`` writes its
     methods: every value the code compares with or builds from is a name bound in its
     namespace (never text spliced into the source), except operand positions and node ids.
+    ``lane=True``: :meth:`Event.lane`'s match (the same tests; it appends the leaves' values
+    to ``vals`` and answers True, or False).
     """
     ns: dict[str, object] = {
         "Node": Node, "Tensor": Tensor, "REGISTRY": R.REGISTRY, "same_scalar": same_scalar,
@@ -222,11 +254,12 @@ def _specialized(ev: Event) -> Replay:
     }  # fmt: skip
     n = len(ev.kinds)
     names = "".join(f"o{k}, " for k in range(n))
+    miss = "        return False" if lane else "        return None"
     body = [
         f"    if opname != OPNAME or tracked is not TRACKED or attrs != ATTRS or len(operands) != {n}:",
-        "        return None",
+        miss,
         "    if REGISTRY.get(opname) is not OPDEF:  # redefined since",
-        "        return None",
+        miss,
     ]
     if n:
         body.append(f"    {names}= operands")
@@ -235,17 +268,16 @@ def _specialized(ev: Event) -> Replay:
             body.append(f"    if type(o{k}) is not Tensor or o{k}.id != {int(cast(int, r))}:")
         elif kind == PARAM:
             ns[f"P{k}"], ns[f"S{k}"], ns[f"T{k}"] = r, ev.storages[k], ev.trainable[k]
-            body.append(
-                f"    if o{k} is not P{k} or o{k}.storage is not S{k} or o{k}.trainable is not T{k} or o{k}.bound:"
-            )
+            body.append(f"    if o{k} is not P{k} or o{k}.storage is not S{k} or o{k}.trainable is not T{k}:")
         else:
             ns[f"R{k}"], ns[f"K{k}"] = r, type(r)
             body.append(
                 f"    if type(o{k}) is not K{k} or o{k} != R{k} or (o{k} == 0 and not same_scalar(o{k}, R{k})):"
             )
-        body.append("        return None")
+        body.append(miss)
     nodes: list[str] = []
     uses: list[str] = []
+    values: list[str] = []
     for j, (code, args, k) in enumerate(ev.plan):
         ns[f"A{j}"] = args
         if code == _OP:
@@ -253,13 +285,20 @@ def _specialized(ev: Event) -> Replay:
         elif code == _USE:
             uses.append(f"({j}, o{k})")
             nodes.append(f"Node(None, (), (), S{k}.read(device), *A{j})")
+            values.append(f"S{k}.read(device)")
         else:
-            ns[f"C{j}"] = args[3]
+            ns[f"C{j}"], ns[f"V{j}"] = args[3], args[3].value
             nodes.append(f"C{j}")
+            values.append(f"V{j}")
+    if lane:
+        body += [f"    vals.append({v})" for v in values] + ["    return True"]
+        src = "def lane(opname, operands, attrs, tracked, device, vals):\n" + "\n".join(body) + "\n"
+        exec(compile(src, f"<tapeflow lane of {ev.opname}>", "exec"), ns)
+        return ns["lane"]
     body.append(f"    return [{', '.join(nodes)}], [{', '.join(uses)}]")
     src = "def replay(opname, operands, attrs, tracked, device):\n" + "\n".join(body) + "\n"
     exec(compile(src, f"<tapeflow replay of {ev.opname}>", "exec"), ns)
-    return cast(Replay, ns["replay"])
+    return ns["replay"]
 
 
 def _arguments(nd: Node, value: object) -> NodeArgs:
@@ -276,7 +315,7 @@ class Outline:
     equals the outline (the replay fast path runs only at its end).
     """
 
-    __slots__ = ("epoch", "events", "interned", "keys", "matched", "tape")
+    __slots__ = ("_pending", "epoch", "events", "interned", "keys", "matched", "plan", "struct", "tape")
 
     def __init__(self, events: dict[NodeId, Event], keys: list[NodeKey]) -> None:
         self.events = events
@@ -285,6 +324,20 @@ class Outline:
         self.tape: Tape | None = None  # the tape value whose nodes all match (None: the current one does not)
         self.interned: list[int] = []  # the recording's lazy structure ids (of intern epoch ``epoch``)
         self.epoch = -1
+        # the backward plan a backward of a whole replay of this outline used (its checks held for exactly these
+        # nodes, Params and storages), and the structure it was for: what a lane's backward reuses
+        self.plan: BackwardPlan | None = None
+        self.struct: Structure | None = None
+        self._pending: tuple[dict[NodeId, Event], tuple[NodeId, ...]] | None = None
+
+    @property
+    def pending(self) -> tuple[NodeId, ...]:
+        """The ids of the events' op nodes, in order (the pending nodes of a recording a lane replayed whole)."""
+        got = self._pending
+        if got is None or got[0] is not self.events:
+            ids = tuple(n + len(ev.plan) - 1 for n, ev in sorted(self.events.items()))
+            got = self._pending = (self.events, ids)
+        return got[1]
 
     def follow(self, tape: Tape) -> None:
         """``tape`` is the session's tape now: extend the matched prefix over the nodes that equal the outline's."""
@@ -311,3 +364,88 @@ class Outline:
         if self.matched >= n and self.epoch == epoch and len(self.interned) >= n:
             return self.interned[:n]
         return None
+
+
+class Lane:
+    """A lazy recording that replays its outline while nothing reads it: values only, nodes built when read.
+
+    While every call of a recording matches the outline, building its nodes is
+    wasted work in a training loop that only steps: the program takes the leaves'
+    values, and the structure is the outline's. A lane keeps just those values
+    (:attr:`vals`: each input, Param use and number leaf, in node order) and how
+    far it got (:attr:`pos`). The session builds the nodes (:meth:`tape`, the
+    very nodes the node-by-node replay would have appended) the moment anything
+    reads its tape or records what the outline does not hold, and goes on from
+    there as a replay; a backward of the whole outline and the fused optimizer
+    step take :meth:`values` instead. A program's result for a node
+    (:meth:`fill`: the root's value) waits in :attr:`filled` until then.
+    """
+
+    __slots__ = ("base", "built", "filled", "outline", "pos", "starts", "uses", "vals")
+
+    def __init__(self, outline: Outline, base: Tape) -> None:
+        self.outline = outline
+        self.base = base  # the empty tape the recording started on
+        self.pos = 0  # how many nodes the recording holds (every one matched the outline)
+        self.vals: list[Array] = []  # the leaves' values in node order
+        self.filled: dict[NodeId, Array] = {}  # op nodes a program computed while the nodes were not built
+        self.built: Tape | None = None
+        self.starts: list[tuple[NodeId, Event]] = []  # set by tape(): the events replayed, by position
+        self.uses: list[tuple[NodeId, Param]] = []  # set by tape(): the Param leaves
+
+    @property
+    def whole(self) -> bool:
+        """The recording is the whole outline (nothing built, nothing computed yet)."""
+        return self.pos == len(self.outline.keys) and self.built is None and not self.filled
+
+    def values(self) -> tuple[tuple[NodeId, ...], list[Array]] | None:
+        """The pending node ids and every other node's value in node order (a program's ``given``), for a
+        recording that is the whole outline; None: use :meth:`tape`."""
+        return (self.outline.pending, self.vals) if self.whole else None
+
+    def leaf_value(self, i: NodeId) -> Array:
+        """The value of leaf ``i`` of a recording that is the whole outline."""
+        return self.vals[i - bisect.bisect_left(self.outline.pending, i)]
+
+    def fill(self, i: NodeId, value: Array) -> None:
+        """Node ``i`` (pending) has been computed: its value, now or when the nodes are built."""
+        if self.built is None:
+            self.filled.setdefault(i, value)
+        else:
+            fill_pending(self.built, (i,), (value,))
+
+    def tape(self) -> Tape:
+        """The recording as nodes on :attr:`base` (built once: every later call returns the same tape)."""
+        t = self.built
+        if t is not None:
+            return t
+        ol, filled = self.outline, self.filled
+        events, keys = ol.events, ol.keys
+        vals = iter(self.vals)
+        out: list[Node] = []
+        starts: list[tuple[NodeId, Event]] = []
+        uses: list[tuple[NodeId, Param]] = []
+        n = 0  # the base is empty: node ids are outline positions
+        while n < self.pos:
+            ev = events.get(n)
+            if ev is None:  # an input leaf
+                rg, spec = keys[n][3], cast(R.Spec, keys[n][4])
+                out.append(Node(None, (), (), next(vals), cast(bool, rg), spec[0], spec[1], spec))
+                n += 1
+                continue
+            starts.append((n, ev))
+            for j, (code, args, k) in enumerate(ev.plan):
+                if code == _OP:
+                    v = filled.get(n + j, PENDING)
+                    out.append(Node(*args) if v is PENDING else Node(*(*args[:3], v, *args[4:])))
+                elif code == _USE:
+                    uses.append((n + j, cast(Param, ev.refs[k])))
+                    rg, shape, dtype, spec = args
+                    out.append(Node(None, (), (), next(vals), rg, shape, dtype, spec))
+                else:
+                    next(vals)
+                    out.append(args[3])  # a number's constant leaf: the same immutable node
+            n += len(ev.plan)
+        t = self.built = append_nodes(self.base, out)
+        self.starts, self.uses = starts, uses
+        return t

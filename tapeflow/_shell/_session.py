@@ -38,7 +38,7 @@ from .._core import _registry as R
 from .._core import _treescope
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as _tape_backward
-from .._core._device import concrete_array_type, default_device, resolve_device
+from .._core._device import concrete_array_type, default_device, device_of, resolve_device
 from .._core._jvp import jvp_keys
 from .._core._nonfinite import Origin
 from .._core._precision import Precision, cast_operands
@@ -49,10 +49,10 @@ from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRN
 from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, eager_fingerprint, materialize
+from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, Structure, eager_fingerprint, materialize
 from ._params import Param, Storage
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
-from ._replay import Event, Outline, node_key
+from ._replay import Event, Lane, Outline, node_key
 from ._state import StateLog, check_state_cell
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
@@ -216,6 +216,7 @@ class Session:
         self._owner = _next_owner()
         self._ref = weakref.ref(self)
         self._generation = 0
+        self._lane: Lane | None = None  # a replay that has built no nodes yet (see _tape)
         self._tape = Tape.empty(self.device)
         self._params_by_leaf: dict[NodeId, ParameterRecord] = {}
         self._storage_by_leaf: dict[NodeId, Storage] = {}
@@ -239,6 +240,36 @@ class Session:
         self.debug_nans = debug_nans
         self._sites: Sites | None = Sites() if debug_nans else None  # debug_nans: where each node was recorded
         self._index_flags: list[Array] = []  # debug_nans, traced: "every index of this op is in range", per op
+
+    # -- the tape ----------------------------------------------------------------
+    @property
+    def _tape(self) -> Tape:
+        """The current tape value. A lazy session replaying its outline on a :class:`Lane` builds the nodes now
+        (the first read of the recording, or a call the outline does not hold) and goes on node by node."""
+        if self._lane is not None:
+            self._flush()
+        return self._tape_now
+
+    @_tape.setter
+    def _tape(self, t: Tape) -> None:
+        self._tape_now = t
+
+    def _flush(self) -> None:
+        """Turn the lane into nodes: the tape, Param leaves and events a node-by-node replay would have made."""
+        lane = cast(Lane, self._lane)
+        self._lane = None
+        t = lane.tape()
+        pbl, sbl = self._params_by_leaf, self._storage_by_leaf
+        for i, p in lane.uses:
+            pbl[i] = p
+            sbl[i] = p.storage
+        events = self._events
+        for n, ev in lane.starts:
+            events[n] = ev
+        ol = lane.outline
+        if ol is self._outline:
+            ol.matched, ol.tape = len(t), t
+        self._tape_now = t
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -447,6 +478,22 @@ class Session:
 
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
+        lane = self._lane
+        if lane is not None and type(x) is concrete_array_type():  # the outline's input again? (a jax.Array)
+            if self._thread is not None and self._thread != threading.get_ident():
+                self.check_thread()  # raises
+            ol, n = lane.outline, lane.pos
+            v = cast(Array, x)
+            dev = self._tape_now.device
+            if n < len(ol.keys) and n not in ol.events and (dev is None or device_of(v) is dev):
+                dt = v.dtype
+                rg = bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
+                spec = (v.shape, dt)
+                if ol.keys[n] == (None, (), (), rg, spec) and dt.kind != "c":
+                    lane.vals.append(v)
+                    lane.pos = n + 1
+                    note_recorded(self._ref)
+                    return Tensor(self, self._owner, self._generation, n, spec[0], dt)
         if type(x) is concrete_array_type() and cast(Array, x).dtype.kind != "c":  # a jax.Array: leaf() places it
             return self._commit_leaf(cast(Array, x), requires_grad)
         if isinstance(x, Tensor):
@@ -591,6 +638,25 @@ class Session:
         for o in operands:
             if type(o) is Tensor and (o._owner != owner or o._generation != gen):
                 check_handle(o, self)  # raises: foreign before stale, left to right
+        lane = self._lane
+        if lane is not None:  # replaying with no nodes built: the outline's call again? (else the nodes are built)
+            ev = lane.outline.events.get(lane.pos)
+            if (
+                ev is not None
+                and not self._eagerly
+                and self.precision is None
+                and self._param_source is None
+                and not self.debug_nans
+            ):
+                try:
+                    akey = _attr_key(attrs.items()) if attrs else ()
+                except TypeError:
+                    akey = None
+                if ev.lane(opname, operands, akey, self.grad_enabled and not self._grad.depth, self.device, lane.vals):
+                    n = lane.pos = lane.pos + len(ev.plan)
+                    note_recorded(self._ref)
+                    shape, dtype = ev.out
+                    return Tensor(self, owner, gen, n - 1, shape, dtype)
         t0 = self._tape
         ol = self._outline
         # the last recording's call, again? (a lazy session without a policy whose Params read their storages)
@@ -778,6 +844,10 @@ class Session:
         if not isinstance(loss, Tensor):
             raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
         check_handle(loss, self)
+        if self._lane is not None and seed is None and not wrt and not create_graph:
+            laned = self._lane_backward(loss)
+            if laned is not None:
+                return laned
         if not self.grad_enabled:
             raise TapeError(
                 "backward: this is an inference session (grad_enabled=False); it records no gradients. "
@@ -878,6 +948,41 @@ class Session:
         except BaseException:
             self._commit(old)  # hooks may have recorded on the tape: none of it happened
             raise
+        ol = self._outline
+        if lazy and seed is None and not wrt and ol is not None and ol.tape is old and ol.matched == len(ol.keys):
+            # a whole replay of the outline: the next one, on a lane, may reuse this backward's plan as it is
+            ol.plan, ol.struct = self._lazy.plan, struct
+        return grads
+
+    def _lane_backward(self, loss: Tensor) -> Grads | None:
+        """:meth:`backward` of a lane that replayed the whole outline, by the plan its last backward used (the
+        same Grads, groups and lazy gradients); None: the normal path (which builds the nodes)."""
+        lane = cast(Lane, self._lane)
+        ol = lane.outline
+        plan = ol.plan
+        if (
+            plan is None
+            or plan is not self._lazy.plan
+            or plan.root != loss.id
+            or plan.wrt
+            or not lane.whole
+            or not self.grad_enabled
+            or self.debug_nans
+            or self._stepped == self._generation
+            or any(self._grad.hooks.values())
+        ):
+            return None
+        for group in plan.groups:
+            if group.storage is not None and group.storage.hooks:
+                return None
+        grads = Grads(
+            LazyGrads(cast(Structure, ol.struct), lane, loss.id, None, plan.ids),
+            plan.groups,
+            self._owner,
+            self._generation,
+        )
+        grads.on_step = functools.partial(_note_step, self._ref, self._generation)
+        self._state_log.attach(grads)
         return grads
 
     def _warn_growth(self) -> None:
@@ -939,11 +1044,17 @@ class Session:
         stays valid, and nothing else outlives the reset.
         """
         self.check_thread()
-        if self._mode == "lazy":
+        lane = self._lane
+        if lane is not None and lane.pos == len(lane.outline.keys):
+            self._lane = None  # the whole outline again, its nodes never built: it stays the outline as it is
+        elif self._mode == "lazy":
             self._keep_outline()
         self._tape = Tape.empty(self.device)
-        if self._outline is not None:
-            self._outline.start(self._tape)
+        ol = self._outline
+        if ol is not None:
+            ol.start(self._tape_now)
+            if self._mode == "lazy" and self._sites is None:
+                self._lane = Lane(ol, self._tape_now)  # the next recording replays on a lane while it matches
         self._params_by_leaf = {}
         self._storage_by_leaf = {}
         self._grad.clear()

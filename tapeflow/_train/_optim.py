@@ -748,7 +748,6 @@ class Optimizer:
         write-back are :mod:`tapeflow._train._step`'s, as in :meth:`step`.
         """
         lazy = cast(LazyGrads, grads.pending)
-        nodes = lazy.tape.nodes
         plan = self._fused_plan
         if plan is None or plan.groups is not grads.groups or grads.released:
             # the slot mapping and its checks: worked out once per recording structure (a session's
@@ -758,6 +757,7 @@ class Optimizer:
             if not mine or len(mine) != sum(g.storage is not None for g in grads.groups):
                 return False
             leaves = [None if g is None else g.leaves for g in groups]
+            nodes = lazy.tape.nodes
             parts = [None if ls is None else tuple(nodes[i] for i in ls) for ls in leaves]
             check_parts(self.rule, parts, "Optimizer.step")
             plan = self._fused_plan = _FusedPlan(grads.groups, mine, leaves, [ls is not None for ls in leaves])
@@ -765,7 +765,7 @@ class Optimizer:
         grads.pending = None  # consumed by this step, read or not
         try:
             storages = self._slot_storages
-            device = device_of(nodes[mine[0].leaves[0]].value)  # where the recording's leaves live
+            device = device_of(lazy.leaf_value(mine[0].leaves[0]))  # where the recording's leaves live
             current = device is not None and Storage.all_on(storages, device)
             # every current value on the leaves' device (the usual step): read as they are, in one call
             values = Storage.read_current_many(storages) if current else [st.read(device) for st in storages]
