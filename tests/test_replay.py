@@ -18,6 +18,7 @@ from test_lazy import char_lm, mlp, programs, tied_autoencoder
 
 import tapeflow as tfl
 from tapeflow import nn
+from tapeflow._core._tape import PENDING
 
 F32 = np.float32
 
@@ -259,6 +260,7 @@ def test_the_match_written_out_for_an_event_answers_as_the_generic_one():
 
     for _ in range(3):  # the third recording replays the second: each of its events has its code now
         with s:
+            s.recording  # no lane: this test is about the node-by-node replay
             forward()
     events = s._outline.events
     lin, mul = (events[i] for i in sorted(events)[:2])
@@ -294,8 +296,11 @@ def _same_answer(ev, args) -> bool:
     """Whether ``ev`` matches the call ``args``; its generic and generated matches must agree, nodes included."""
     generic, written = ev.match(*args), ev._fast(*args)
     assert (generic is None) == (written is None), args[:2]
+    vals: list = []
+    assert ev.lane(*args, vals) == (generic is not None)  # a lane's match: the same answer
     if generic is None:
         return False
+    assert len(vals) == sum(n.op is None for n in generic[0])  # and a value per leaf
     (gn, gp), (wn, wp) = generic, written
     assert gp == wp
     static = [(n.op, n.attrs, n.parents, n.requires_grad, n.spec, n.opdef) for n in gn]
@@ -358,3 +363,199 @@ def test_an_inference_loop_replays_from_a_forward_only_recording():
                 assert replayed(s) == len(s.recording)
             values.append(float(loss))
     assert len(set(values)) == 1
+
+
+# -- lanes: a replay that builds no nodes until something reads the recording ----------------------------------
+
+
+@pytest.fixture
+def lane_counts(monkeypatch):
+    """Counts of lane backwards taken (the whole outline, values only) and of lanes turned into nodes."""
+    from tapeflow._shell import _replay, _session
+
+    counts = {"backward": 0, "built": 0}
+    lane_backward, build = _session.Session._lane_backward, _replay.Lane.tape
+
+    def counted_backward(self, loss):
+        got = lane_backward(self, loss)
+        counts["backward"] += got is not None
+        return got
+
+    def counted_build(self):
+        counts["built"] += self.built is None
+        return build(self)
+
+    monkeypatch.setattr(_session.Session, "_lane_backward", counted_backward)
+    monkeypatch.setattr(_replay.Lane, "tape", counted_build)
+    return counts
+
+
+def train_on_lanes(build, fresh: bool, read_loss: bool, steps: int = 20):
+    """The plain loop, reading nothing mid-step (``read_loss``: the loss after each step); losses and params."""
+    params, loss_fn = _build(build)
+    opt = tfl.Optimizer(optax.adam(1e-2), params)
+    s = tfl.Session(lazy=True)
+    losses = []
+    for _ in range(steps):
+        if fresh:
+            s = tfl.Session(lazy=True)
+        with s:
+            loss = loss_fn(s)
+            opt.step(s.backward(loss))
+            if read_loss:
+                losses.append(float(loss))
+    return losses, _state(params)
+
+
+def char_lm_on_device():
+    """The char LM of test_lazy with its ids given as ``jax.Array`` s to ``take`` (as arrays, not handles)."""
+    from char_lm import CharLM
+
+    model = CharLM(11, 8, 16, 2, 1, key=jax.random.key(0))
+    rng = np.random.default_rng(2)
+    ids = jax.numpy.asarray(rng.integers(0, 11, size=(4, 8)).astype(np.int32))
+    targets = rng.integers(0, 11, size=(4, 8)).astype(np.int32)
+
+    def loss_fn(s):
+        return tfl.cross_entropy(model(ids), s.input(targets))
+
+    return dict(model.parameter_records()), loss_fn
+
+
+@pytest.mark.parametrize(
+    "build",
+    [mlp, tied_autoencoder, char_lm, char_lm_on_device, bn_cnn],
+    ids=["mlp", "tied_ae", "char_lm", "char_lm_device_ids", "batchnorm_cnn"],
+)
+@pytest.mark.parametrize("read_loss", [False, True], ids=["unread", "loss_read"])
+def test_a_loop_on_lanes_equals_normal_lazy_bit_for_bit(build, read_loss, lane_counts):
+    f_losses, f_params = train_on_lanes(build, fresh=True, read_loss=read_loss)
+    assert lane_counts == {"backward": 0, "built": 0}  # a session used once never replays
+    r_losses, r_params = train_on_lanes(build, fresh=False, read_loss=read_loss)
+    assert r_losses == f_losses
+    for k, v in f_params.items():
+        np.testing.assert_array_equal(r_params[k], v, err_msg=str(k))
+    if build is bn_cnn:  # BatchNorm writes its running statistics mid-forward: the lane builds its nodes there
+        assert lane_counts["backward"] == 0 and lane_counts["built"] == 18
+    else:
+        # steps 3..20 replay on lanes; step 3's backward (the outline's first whole replay) builds the nodes and
+        # plans, steps 4..20 run on values alone; reading the loss builds the nodes after the step
+        assert lane_counts == {"backward": 17, "built": 18 if read_loss else 1}
+
+
+def test_the_loss_a_fused_step_computed_is_read_without_another_program(lane_counts):
+    params, loss_fn = mlp()
+    opt = tfl.Optimizer(optax.adam(1e-3), params)
+    s = tfl.Session(lazy=True)
+    for _ in range(4):  # from the fourth step on, the whole step runs on a lane
+        with s:
+            opt.step(s.backward(loss_fn(s)))
+    with tfl.Session() as e:  # the eager value of the next step's loss
+        expected = float(loss_fn(e))
+    lane_counts.update(backward=0, built=0)
+    before = programs()
+    with s:
+        loss = loss_fn(s)
+        opt.step(s.backward(loss))
+        assert lane_counts == {"backward": 1, "built": 0}
+        assert s.recording[loss.id].value is not PENDING  # the step's root value, kept for the built node
+        value = float(loss)
+    assert programs() == before and lane_counts["built"] == 1  # no forward program: the value was kept
+    assert value == pytest.approx(expected, rel=1e-6)
+
+
+def test_gradients_of_a_lane_are_read_and_kept_past_the_reset(lane_counts):
+    w = tfl.Param(np.arange(6, dtype=F32).reshape(3, 2) / 5, name="w")
+    x = np.random.default_rng(2).normal(size=(4, 3)).astype(F32)
+
+    def loss_fn(s):
+        return tfl.sum(tfl.tanh(s.input(x) @ w) ** 2)
+
+    oracle = jax.grad(lambda v: jax.numpy.sum(jax.numpy.tanh(x @ v) ** 2))(w.value)
+    s = tfl.Session(lazy=True)
+    for _ in range(3):  # the third backward plans the outline; the fourth runs on a lane
+        with s:
+            s.backward(loss_fn(s))
+    with s:
+        g = s.backward(loss_fn(s))
+        np.testing.assert_allclose(g[w], oracle, rtol=1e-6)  # read in the step
+    with s:
+        kept = s.backward(loss_fn(s))
+    np.testing.assert_allclose(kept[w], oracle, rtol=1e-6)  # read after the recording was reset
+    assert lane_counts["backward"] == 2
+
+
+def test_a_lane_refuses_stale_and_foreign_handles_and_names_the_last_recording_session():
+    s, other = tfl.Session(lazy=True), tfl.Session(lazy=True)
+    w = tfl.Param(np.ones(2, F32), name="w")
+    for _ in range(3):
+        with s:
+            h = tfl.exp(s.input(np.ones(2, F32)) * w)
+    with s:
+        x = s.input(np.ones(2, F32))
+        with pytest.raises(tfl.TapeError, match="stale"):
+            tfl.exp(h * w)  # the handle of the last generation, where the outline has node 2
+        other.input(np.ones(2, F32))
+        assert tfl.last_recorded_session() is other
+        y = tfl.exp(x * w)  # the outline's call again, on the lane
+        assert tfl.last_recorded_session() is s
+        assert float(tfl.sum(y)) == pytest.approx(2 * np.e)
+
+
+@pytest.mark.parametrize("body", FALLBACKS, ids=[f.__name__ for f in FALLBACKS])
+def test_every_fallback_from_a_lane_gives_the_eager_result(body):
+    """As test_every_fallback_gives_the_eager_result, with nothing read mid-step (each step starts on a lane)."""
+
+    def loop(lazy):
+        rng = np.random.default_rng(0)
+        params = [tfl.Param((rng.normal(size=(6, 5)) / 3).astype(F32), name="w"), tfl.Param(np.zeros(5, F32))]
+        opt = tfl.Optimizer(optax.adam(1e-2), params)
+        s = tfl.Session(lazy=lazy, seed=0)
+        losses = []
+        for step in range(8):
+            try:
+                with s:
+                    loss = body(s, step, params)
+                    opt.step(s.backward(loss))
+                    losses.append(float(loss))
+            except tfl.TapeError as e:
+                losses.append(str(e))
+        return losses, [np.asarray(p.value) for p in params]
+
+    e_losses, e_params = loop(False)
+    l_losses, l_params = loop(True)
+    assert [type(v) for v in l_losses] == [type(v) for v in e_losses]
+    for a, b in zip(l_losses, e_losses):
+        if isinstance(a, str):
+            assert a == b
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(l_params, e_params):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "node_by_node"])
+def test_host_ids_of_a_replayed_call_are_checked_and_copied_as_recorded(lane):
+    table = tfl.Param(np.arange(12, dtype=F32).reshape(6, 2), name="table")
+    s = tfl.Session(lazy=True)
+    ids = np.array([0, 5, 2], np.int32)
+    for _ in range(3):
+        with s:
+            tfl.sum(tfl.take(table, ids, axis=0))
+    with s:
+        if not lane:
+            s.recording  # builds the (empty) lane: the calls replay node by node
+        bad = np.array([0, 6, 2], np.int32)
+        with pytest.raises(tfl.TapeError) as got:
+            tfl.take(table, bad, axis=0)
+        assert len(s.recording) == 0  # nothing was recorded
+    with tfl.Session(), pytest.raises(tfl.TapeError) as eager:
+        tfl.take(table, bad, axis=0)
+    assert str(got.value) == str(eager.value) and "holds 6, out of range" in str(got.value)
+    with s:
+        if not lane:
+            s.recording
+        mine = ids.copy()
+        y = tfl.sum(tfl.take(table, mine, axis=0))
+        mine[:] = 1  # the call copied the ids: a later edit changes nothing recorded
+        assert float(y) == float(np.sum(np.arange(12).reshape(6, 2)[[0, 5, 2]]))

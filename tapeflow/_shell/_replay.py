@@ -51,6 +51,7 @@ import jax
 import numpy as np
 
 from .._core import _registry as R
+from .._core._device import concrete_array_type, device_of
 from .._core._node import PENDING, Node
 from .._core._tape import Tape, append_nodes, fill_pending
 from .._core._typing import Array, NodeId, Shape
@@ -58,12 +59,31 @@ from ._lazy import BackwardPlan, Structure
 from ._params import Param, Storage
 from ._tensor import Tensor
 
-__all__ = ["PARAM", "SCALAR", "TENSOR", "Event", "Lane", "Outline", "node_key", "same_scalar"]
+__all__ = [
+    "ARRAY",
+    "HOST",
+    "PARAM",
+    "SCALAR",
+    "TENSOR",
+    "Event",
+    "HostLeaf",
+    "Lane",
+    "Outline",
+    "node_key",
+    "same_scalar",
+]
 
-TENSOR, PARAM, SCALAR = 0, 1, 2
-"""What an operand of an :class:`Event` was: a handle (its node id), a Param (by identity), a Python number."""
+TENSOR, PARAM, SCALAR, ARRAY, HOST = 0, 1, 2, 3, 4
+"""What an operand of an :class:`Event` was: a handle (its node id), a Param (by identity), a Python number, a
+``jax.Array`` on the session's device or a NumPy array (by shape and dtype: a batch of ids given to ``take``)."""
 
-_OP, _USE, _CONST = 0, 1, 2  # what an event's appended node is: the op's node, a Param use, a number's leaf
+HostLeaf = Callable[["Event", int, np.ndarray], "Array"]
+"""``host(event, k, array)``: operand ``k`` of a replayed call given as a NumPy array, as the session's normal path
+makes its leaf's value (converted and placed; a position operand's ids checked against their range: raises)."""
+
+# what an event's appended node is: the op's node, a Param use, a number's leaf, an array operand's leaf
+_OP, _USE, _CONST, _ARR = 0, 1, 2, 3
+_CONCRETE = concrete_array_type()
 
 
 NodeArgs = tuple[Any, ...]
@@ -89,7 +109,8 @@ class Event:
     """One ``apply`` call of a lazy recording, and the nodes it appended (values left out)."""
 
     __slots__ = (
-        "_fast", "_lane", "attrs", "kinds", "opdef", "opname", "out", "plan", "refs", "storages", "tracked", "trainable"
+        "_fast", "_lane", "attrs", "checked", "kinds", "opdef", "opname", "out", "plan", "refs", "storages", "tracked",
+        "trainable",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +124,7 @@ class Event:
         trainable: tuple[bool, ...],
         tracked: bool,
         plan: tuple[tuple[int, NodeArgs, int], ...],
+        checked: tuple[tuple[R.Spec, ...], dict[str, object]] = ((), {}),
     ) -> None:
         self.opname = opname
         self.opdef = opdef
@@ -115,6 +137,7 @@ class Event:
         # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
         # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
         self.plan = plan
+        self.checked = checked  # the operand specs and normalized attributes the op check saw (for host ids)
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
         # this event's match with its tests written out, made when it first replays (a training loop replays
@@ -130,32 +153,46 @@ class Event:
         tracked: bool,
         device: jax.Device,
         vals: list[Array],
+        host: HostLeaf | None = None,
     ) -> bool:
         """:meth:`match` for a :class:`Lane`: on a match, append the values of the leaves the call records (each
         Param use reads its storage now, a number's constant) to ``vals`` and return True; nodes are built later."""
         fn = self._lane
         if fn is None:
             fn = self._lane = _specialized(self, lane=True)
-        return fn(opname, operands, attrs, tracked, device, vals)
+        return fn(opname, operands, attrs, tracked, device, vals, host)
 
     def replay(
-        self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
+        self,
+        opname: str,
+        operands: Sequence[object],
+        attrs: Hashable,
+        tracked: bool,
+        device: jax.Device,
+        host: HostLeaf | None = None,
     ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
         """:meth:`match`: by the code generated for this event once it has replayed (the same answer, faster)."""
         fast = self._fast
         if fast is not None:
-            return fast(opname, operands, attrs, tracked, device)
-        got = self.match(opname, operands, attrs, tracked, device)
+            return fast(opname, operands, attrs, tracked, device, host)
+        got = self.match(opname, operands, attrs, tracked, device, host)
         if got is not None:
             self._fast = cast(Replay, _specialized(self))
         return got
 
     def match(
-        self, opname: str, operands: Sequence[object], attrs: Hashable, tracked: bool, device: jax.Device
+        self,
+        opname: str,
+        operands: Sequence[object],
+        attrs: Hashable,
+        tracked: bool,
+        device: jax.Device,
+        host: HostLeaf | None = None,
     ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
         """If a call of ``opname`` with these operands, attributes and context is this event again: the nodes to
         append (each Param use reads its storage now) and ``(offset, Param)`` for each Param leaf among them;
-        else None (the call is recorded the normal way)."""
+        else None (the call is recorded the normal way). A NumPy operand's leaf value comes from ``host`` (None:
+        such a call does not match)."""
         if opname != self.opname or tracked is not self.tracked or attrs != self.attrs:
             return None
         if len(operands) != len(self.kinds) or R.REGISTRY.get(opname) is not self.opdef:  # or redefined since
@@ -168,8 +205,15 @@ class Event:
                 # (an event holds no bound Param, and a Param's binding is fixed at creation: identity covers it)
                 if o is not r or o.storage is not st or o.trainable is not tr:  # type: ignore[attr-defined]
                     return None
+            elif kind == ARRAY:  # placed on the device already: its leaf holds it as it is
+                if type(o) is not _CONCRETE or (o.shape, o.dtype) != r or device_of(o) is not device:  # type: ignore[attr-defined]
+                    return None
+            elif kind == HOST:
+                if type(o) is not np.ndarray or (o.shape, o.dtype) != r or host is None:
+                    return None
             elif type(o) is not type(r) or o != r or (o == 0 and not same_scalar(o, r)):
                 return None
+        made = {k: host(self, k, o) for k, (o, kind) in enumerate(zip(operands, self.kinds)) if kind == HOST}  # type: ignore[misc, arg-type]
         out: list[Node] = []
         params: list[tuple[int, Param]] = []
         for code, args, k in self.plan:  # each node from its template's arguments: only a use's value is new
@@ -180,6 +224,8 @@ class Event:
                 params.append((len(out), p))
                 rg, shape, dtype, spec = args  # a leaf's
                 out.append(Node(None, (), (), p.storage.read(device), rg, shape, dtype, spec))
+            elif code == _ARR:
+                out.append(Node(None, (), (), made[k] if k in made else operands[k], *args))
             else:
                 out.append(args[3])  # a number's constant leaf: the same immutable node
         return out, params
@@ -193,14 +239,18 @@ class Event:
         tracked: bool,
         nodes: Sequence[Node],
         sources: Sequence[int],
+        checked: tuple[tuple[R.Spec, ...], dict[str, object]] = ((), {}),
     ) -> Event | None:
         """The event of a call whose appended ``nodes`` hold operand ``sources[j]`` (-1: the op's node); None if
-        the call cannot be replayed (an operand that is neither a handle, a Param nor a Python number)."""
+        the call cannot be replayed (an operand that is neither a handle, a Param, a Python number, a
+        ``jax.Array`` its leaf holds as it is nor a NumPy array of numbers). ``checked``: the operand specs
+        and normalized attributes the op was checked with."""
         kinds: list[int] = []
         refs: list[object] = []
         storages: list[Storage | None] = []
         trainable: list[bool] = []
-        for o in operands:
+        leaves = dict(zip(sources, nodes))  # operand position -> the leaf recorded for it
+        for k, o in enumerate(operands):
             if type(o) is Tensor:
                 kinds.append(TENSOR)
                 refs.append(o.id)
@@ -215,6 +265,12 @@ class Event:
             elif type(o) in (int, float, bool):
                 kinds.append(SCALAR)
                 refs.append(o)
+            elif type(o) is _CONCRETE and k in leaves and leaves[k].value is o:
+                kinds.append(ARRAY)
+                refs.append(leaves[k].spec)
+            elif type(o) is np.ndarray and o.dtype.kind in "biuf" and k in leaves:
+                kinds.append(HOST)
+                refs.append((o.shape, o.dtype))
             else:
                 return None
             storages.append(None)
@@ -224,19 +280,22 @@ class Event:
             if k < 0
             else (_CONST, (None, (), (), nd, False, (), None, None, None), k)
             if kinds[k] == SCALAR
-            else (_USE, (nd.requires_grad, nd.shape, nd.dtype, nd.spec), k)
+            else (_USE if kinds[k] == PARAM else _ARR, (nd.requires_grad, nd.shape, nd.dtype, nd.spec), k)
             for nd, k in zip(nodes, sources)
         )
-        return Event(opname, opdef, attrs, tuple(kinds), tuple(refs), tuple(storages), tuple(trainable), tracked, plan)
+        return Event(
+            opname, opdef, attrs, tuple(kinds), tuple(refs), tuple(storages), tuple(trainable), tracked, plan, checked
+        )
 
 
 Replay = Callable[
-    [str, Sequence[object], Hashable, bool, jax.Device], "tuple[list[Node], list[tuple[int, Param]]] | None"
+    [str, Sequence[object], Hashable, bool, jax.Device, "HostLeaf | None"],
+    "tuple[list[Node], list[tuple[int, Param]]] | None",
 ]
-"""An event's match: ``replay(opname, operands, attrs, tracked, device)`` as :meth:`Event.match` answers it."""
+"""An event's match: ``replay(opname, operands, attrs, tracked, device, host)`` as :meth:`Event.match` answers it."""
 
-LaneMatch = Callable[[str, Sequence[object], Hashable, bool, jax.Device, list[Array]], bool]
-"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals)`` (see :meth:`Event.lane`)."""
+LaneMatch = Callable[[str, Sequence[object], Hashable, bool, jax.Device, list[Array], "HostLeaf | None"], bool]
+"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals, host)`` (see :meth:`Event.lane`)."""
 
 
 def _specialized(ev: Event, lane: bool = False) -> Any:
@@ -250,6 +309,7 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
     """
     ns: dict[str, object] = {
         "Node": Node, "Tensor": Tensor, "REGISTRY": R.REGISTRY, "same_scalar": same_scalar,
+        "CONCRETE": _CONCRETE, "device_of": device_of, "NDARRAY": np.ndarray, "EV": ev,
         "OPNAME": ev.opname, "OPDEF": ev.opdef, "ATTRS": ev.attrs, "TRACKED": ev.tracked,
     }  # fmt: skip
     n = len(ev.kinds)
@@ -269,12 +329,22 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
         elif kind == PARAM:
             ns[f"P{k}"], ns[f"S{k}"], ns[f"T{k}"] = r, ev.storages[k], ev.trainable[k]
             body.append(f"    if o{k} is not P{k} or o{k}.storage is not S{k} or o{k}.trainable is not T{k}:")
+        elif kind == ARRAY:
+            ns[f"R{k}"] = r
+            body.append(
+                f"    if type(o{k}) is not CONCRETE or (o{k}.shape, o{k}.dtype) != R{k} or device_of(o{k}) is not device:"
+            )
+        elif kind == HOST:
+            ns[f"R{k}"] = r
+            body.append(f"    if type(o{k}) is not NDARRAY or (o{k}.shape, o{k}.dtype) != R{k} or host is None:")
         else:
             ns[f"R{k}"], ns[f"K{k}"] = r, type(r)
             body.append(
                 f"    if type(o{k}) is not K{k} or o{k} != R{k} or (o{k} == 0 and not same_scalar(o{k}, R{k})):"
             )
         body.append(miss)
+    # a NumPy operand's leaf value, made (and its ids checked: this may raise) once every test has passed
+    body += [f"    h{k} = host(EV, {k}, o{k})" for k, kind in enumerate(ev.kinds) if kind == HOST]
     nodes: list[str] = []
     uses: list[str] = []
     values: list[str] = []
@@ -286,17 +356,21 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
             uses.append(f"({j}, o{k})")
             nodes.append(f"Node(None, (), (), S{k}.read(device), *A{j})")
             values.append(f"S{k}.read(device)")
+        elif code == _ARR:
+            v = f"h{k}" if ev.kinds[k] == HOST else f"o{k}"
+            nodes.append(f"Node(None, (), (), {v}, *A{j})")
+            values.append(v)
         else:
             ns[f"C{j}"], ns[f"V{j}"] = args[3], args[3].value
             nodes.append(f"C{j}")
             values.append(f"V{j}")
     if lane:
         body += [f"    vals.append({v})" for v in values] + ["    return True"]
-        src = "def lane(opname, operands, attrs, tracked, device, vals):\n" + "\n".join(body) + "\n"
+        src = "def lane(opname, operands, attrs, tracked, device, vals, host=None):\n" + "\n".join(body) + "\n"
         exec(compile(src, f"<tapeflow lane of {ev.opname}>", "exec"), ns)
         return ns["lane"]
     body.append(f"    return [{', '.join(nodes)}], [{', '.join(uses)}]")
-    src = "def replay(opname, operands, attrs, tracked, device):\n" + "\n".join(body) + "\n"
+    src = "def replay(opname, operands, attrs, tracked, device, host=None):\n" + "\n".join(body) + "\n"
     exec(compile(src, f"<tapeflow replay of {ev.opname}>", "exec"), ns)
     return ns["replay"]
 
@@ -440,8 +514,9 @@ class Lane:
                     out.append(Node(*args) if v is PENDING else Node(*(*args[:3], v, *args[4:])))
                 elif code == _USE:
                     uses.append((n + j, cast(Param, ev.refs[k])))
-                    rg, shape, dtype, spec = args
-                    out.append(Node(None, (), (), next(vals), rg, shape, dtype, spec))
+                    out.append(Node(None, (), (), next(vals), *args))
+                elif code == _ARR:
+                    out.append(Node(None, (), (), next(vals), *args))
                 else:
                     next(vals)
                     out.append(args[3])  # a number's constant leaf: the same immutable node

@@ -44,7 +44,7 @@ from .._core._nonfinite import Origin
 from .._core._precision import Precision, cast_operands
 from .._core._registry import attr_key as _attr_key
 from .._core._result import Err, TapeError
-from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf
+from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf, place
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
@@ -478,34 +478,42 @@ class Session:
 
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
-        lane = self._lane
-        if lane is not None and type(x) is concrete_array_type():  # the outline's input again? (a jax.Array)
-            if self._thread is not None and self._thread != threading.get_ident():
-                self.check_thread()  # raises
-            ol, n = lane.outline, lane.pos
-            v = cast(Array, x)
-            dev = self._tape_now.device
-            if n < len(ol.keys) and n not in ol.events and (dev is None or device_of(v) is dev):
-                dt = v.dtype
-                rg = bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
-                spec = (v.shape, dt)
-                if ol.keys[n] == (None, (), (), rg, spec) and dt.kind != "c":
-                    lane.vals.append(v)
-                    lane.pos = n + 1
-                    note_recorded(self._ref)
-                    return Tensor(self, self._owner, self._generation, n, spec[0], dt)
         if type(x) is concrete_array_type() and cast(Array, x).dtype.kind != "c":  # a jax.Array: leaf() places it
+            if self._lane is not None:
+                dev = self._tape_now.device
+                if dev is None or device_of(cast(Array, x)) is dev:  # placed already: the leaf holds it as it is
+                    got = self._lane_leaf(cast(Array, x), np.dtype(cast(Array, x).dtype), requires_grad)
+                    if got is not None:
+                        return got
             return self._commit_leaf(cast(Array, x), requires_grad)
         if isinstance(x, Tensor):
             x = self.node(x).value
         v = self._values.prepare(x, host=self._mode == "lazy")
         if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
             dt = np.dtype(v.dtype)
+            if self._lane is not None:
+                got = self._lane_leaf(v, dt, requires_grad)
+                if got is not None:
+                    return got
             rg = requires_grad and self.grad_enabled and not self._grad.depth and R.is_float(dt)
             t, i = append_node(self._tape, Node(None, (), (), v, rg, v.shape, dt))
             self._commit(t)
             return self._handle(i)
         return self._commit_leaf(v, requires_grad)
+
+    def _lane_leaf(self, v: Array | np.ndarray, dt: np.dtype, requires_grad: bool) -> Tensor | None:
+        """An input leaf holding ``v`` (as :meth:`input` records it) on the lane, if the outline has one here."""
+        self.check_thread()
+        lane = cast(Lane, self._lane)
+        ol, n = lane.outline, lane.pos
+        rg = bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
+        spec = (tuple(v.shape), dt)
+        if n >= len(ol.keys) or n in ol.events or ol.keys[n] != (None, (), (), rg, spec):
+            return None
+        lane.vals.append(v)
+        lane.pos = n + 1
+        note_recorded(self._ref)
+        return Tensor(self, self._owner, self._generation, n, spec[0], dt)
 
     def const(self, x: ArrayLike) -> Tensor:
         """Record a constant leaf (never requires grad)."""
@@ -652,7 +660,8 @@ class Session:
                     akey = _attr_key(attrs.items()) if attrs else ()
                 except TypeError:
                     akey = None
-                if ev.lane(opname, operands, akey, self.grad_enabled and not self._grad.depth, self.device, lane.vals):
+                tracked = self.grad_enabled and not self._grad.depth
+                if ev.lane(opname, operands, akey, tracked, self.device, lane.vals, self._host_leaf):
                     n = lane.pos = lane.pos + len(ev.plan)
                     note_recorded(self._ref)
                     shape, dtype = ev.out
@@ -674,7 +683,8 @@ class Session:
                     akey = _attr_key(attrs.items()) if attrs else ()
                 except TypeError:
                     akey = None
-                got = ev.replay(opname, operands, akey, self.grad_enabled and not self._grad.depth, self.device)
+                tracked = self.grad_enabled and not self._grad.depth
+                got = ev.replay(opname, operands, akey, tracked, self.device, self._host_leaf)
                 if got is not None:
                     new, params = got
                     t = append_nodes(t0, new)
@@ -772,7 +782,7 @@ class Session:
         if opname not in self._backend_seen:
             self._audit(opname, entry.dtype)
         if sources is not None:
-            self._note_event(opname, entry, attrs, operands, tracked, t, len(t0), sources)
+            self._note_event(opname, entry, attrs, operands, tracked, t, len(t0), sources, tuple(specs))
         nd = t[r.value]
         return Tensor(self, owner, gen, r.value, nd.shape, nd.dtype)
 
@@ -786,6 +796,7 @@ class Session:
         t: Tape,
         n0: int,
         sources: list[int],
+        specs: tuple[R.Spec, ...],
     ) -> None:
         """Note the call that appended nodes ``n0..`` of ``t`` as an event of this recording (the next outline)."""
         try:
@@ -793,9 +804,20 @@ class Session:
             hash(akey)
         except TypeError:
             return  # an unhashable attribute: not replayed
-        ev = Event.of(opname, entry.opdef, akey, operands, tracked, t.nodes[n0:], [*sources, -1])
+        checked = (specs, dict(entry.attrs))
+        ev = Event.of(opname, entry.opdef, akey, operands, tracked, t.nodes[n0:], [*sources, -1], checked)
         if ev is not None:
             self._events[n0] = ev
+
+    def _host_leaf(self, ev: Event, k: int, o: np.ndarray) -> Array:
+        """Operand ``k`` of a replayed call of ``ev``, a NumPy array, as the normal path makes its leaf's value:
+        converted and placed as a constant, a position operand's ids checked against their range first."""
+        v = self._values.constant(o, None, ev.opname)
+        d = ev.opdef
+        if d.index_bounds is not None:
+            specs, attrs = ev.checked
+            check_host_indices(d, specs, attrs, {k: o})
+        return cast(Array, place(v, self._tape_now.device))
 
     def _audit(self, opname: str, dtype: np.dtype) -> None:
         self._backend_seen.add(opname)
