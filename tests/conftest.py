@@ -77,17 +77,35 @@ def lazy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return bool(request.param)
 
 
-def _lazy_everywhere() -> None:
-    """``TAPEFLOW_TEST_LAZY=1 python -m pytest`` makes lazy the default of every session in the suite."""
+def _lazy_everywhere() -> bool:
+    """``TAPEFLOW_TEST_LAZY=1 python -m pytest`` makes lazy the default of every session in the suite.
+
+    Returns the library's own default, as it was before (what ``library_defaults`` puts back).
+    """
     import os
 
+    import tapeflow
+
+    own = bool(tapeflow.Session.__init__.__kwdefaults__["lazy"])
     if os.environ.get("TAPEFLOW_TEST_LAZY") == "1":
-        import tapeflow
-
         tapeflow.Session.__init__.__kwdefaults__["lazy"] = True
+    return own
 
 
-_lazy_everywhere()
+_LIBRARY_LAZY_DEFAULT = _lazy_everywhere()
+
+
+@pytest.fixture
+def library_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``tfl.Session()`` gets the library's own default again (eager), also under ``TAPEFLOW_TEST_LAZY=1``.
+
+    For the text that shows what a user's default session does: the docstring examples
+    (``tfl.Session().lazy`` is ``False`` there) and the doc pages that show what their code
+    printed (an eager session's error). As ``jax.enable_x64(False)`` there undoes the suite's x64.
+    """
+    import tapeflow
+
+    monkeypatch.setitem(tapeflow.Session.__init__.__kwdefaults__, "lazy", _LIBRARY_LAZY_DEFAULT)
 
 
 @pytest.fixture

@@ -224,7 +224,7 @@ def test_compile_log_explains_lazy_programs_and_op_kernels():
     assert lazy[1].why.startswith("new shape of input node 0: (11, 5) -> (9, 5)")
     tfl.clear_kernel_caches()
     with tfl.compile_log(file=None) as log:
-        tfl.Session().input(jnp.ones((13, 3), F32)) * 2.0
+        tfl.Session(lazy=False).input(jnp.ones((13, 3), F32)) * 2.0  # an eager op compiles its kernel
     ops = [r for r in log.tapeflow_records() if r.what == "op kernel mul"]
     assert len(ops) == 1, [str(r) for r in log.records]
     assert ops[0].why == "first time" or "-> (13, 3)" in ops[0].why, ops[0].why  # vs an earlier mul of (k, 3)
@@ -342,7 +342,7 @@ def test_an_optimizer_update_recompiled_for_a_new_state_type_says_which_leaf():
         for lr in (None, 0.25):
             if lr is not None:
                 opt.state.hyperparams["learning_rate"] = lr  # by hand, a Python float: a weakly typed leaf
-            with tfl.Session() as s:
+            with tfl.Session(lazy=False) as s:  # eager: the update is a program of its own
                 opt.step(s.backward(tfl.sum(w * w)))
     whys = [r.why for r in log.records if r.what.startswith("optimizer update")]
     assert whys[-1] == "new weak type of optimizer state leaf 1: False -> True", whys

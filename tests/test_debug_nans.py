@@ -324,7 +324,7 @@ def test_check_finite_names_the_origin_in_an_eager_session(opt):
     before = _snapshot(opt)
     tapes = []
     with pytest.raises(tfl.NonFiniteError, match="non-finite gradient for") as info:
-        with tfl.Session() as s:  # no debug_nans: the origin without its line
+        with tfl.Session(lazy=False) as s:  # no debug_nans: the origin without its line
             loss = backward_only(s, X)
             tapes.append(s.tape)
             opt.step(s.backward(loss))

@@ -59,13 +59,15 @@ def _ext(name: str) -> ModuleType:
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if _blocks(p)))
-def test_docs_code_blocks_run(page: str) -> None:
+def test_docs_code_blocks_run(page: str, request: pytest.FixtureRequest) -> None:
     path = ROOT / "docs" / page
     outputs = _ext("outputs")
     if outputs.script_name(path.read_text()) is None:
         _run_blocks(path)
         return
     # a page that shows what its code prints: the blocks run as its script, and the text shown is what they print
+    # (what a user's default session prints, also under TAPEFLOW_TEST_LAZY=1)
+    request.getfixturevalue("library_defaults")
     assert outputs.render(path) == path.read_text(), (
         f"docs/{page} shows outputs its code no longer prints: run python docs/_ext/outputs.py docs/{page}"
     )
@@ -108,6 +110,7 @@ def test_no_examples_exemptions_name_existing_modules() -> None:
 
 
 @pytest.mark.parametrize("name", _modules())
+@pytest.mark.usefixtures("library_defaults")  # the examples show a user's default session
 def test_docstring_examples(name: str) -> None:
     mod = importlib.import_module(name)
     with jax.enable_x64(False):  # docstring examples assume JAX's default float32

@@ -236,7 +236,7 @@ def test_a_checkpointed_32_layer_mlp_keeps_fewer_live_bytes_with_equal_gradients
 
     measured, grads = {}, {}
     for name, block in (("plain", plain), ("checkpoint", ck)):
-        with tfl.Session() as s:
+        with tfl.Session(lazy=False) as s:  # eager: the forward's values exist once it is recorded
             s.backward(forward(block)).release()  # warm-up: kernels compiled, caches filled
             s.reset()
             before = _live_bytes()
@@ -331,12 +331,27 @@ def test_a_block_that_reads_other_params_when_recomputed_is_refused():
     extra = tfl.Param(jnp.asarray([3.0, 4.0], F64), name="extra")
     state = {"use_extra": False}
     ck = tfl.checkpoint(lambda h: h * w * extra if state["use_extra"] else h * w)
-    with tfl.Session() as s:
+    with tfl.Session(lazy=False) as s:  # eager: the forward ran before the change, the recomputation sees it
         y = ck(s.input(jnp.ones(2, F64), requires_grad=True))
         state["use_extra"] = True  # Python state the first trace fixed
         tfl.clear_kernel_caches()  # so that backward traces the block again
         with pytest.raises(
             TapeError, match=r"checkpoint\(.*<lambda>\): while recomputed for backward, the block read other"
+        ):
+            s.backward(tfl.sum(y))
+
+
+def test_a_lazy_block_that_reads_other_params_before_its_forward_is_computed_is_refused():
+    w = tfl.Param(jnp.asarray([1.0, 2.0], F64), name="w")
+    extra = tfl.Param(jnp.asarray([3.0, 4.0], F64), name="extra")
+    state = {"use_extra": False}
+    ck = tfl.checkpoint(lambda h: h * w * extra if state["use_extra"] else h * w)
+    with tfl.Session(lazy=True) as s:  # lazy: the forward is compiled only after the change, and sees it
+        y = ck(s.input(jnp.ones(2, F64), requires_grad=True))
+        state["use_extra"] = True  # Python state the first trace fixed
+        tfl.clear_kernel_caches()  # so that the lazy program traces the block again
+        with pytest.raises(
+            TapeError, match=r"checkpoint\(.*<lambda>\): while its forward was compiled, the block read other"
         ):
             s.backward(tfl.sum(y))
 
