@@ -335,14 +335,17 @@ def test_compiling_one_signature_again_and_again_does_not_warn():
     assert rec == []
 
 
-def test_an_optimizer_update_recompiled_for_a_new_state_type_says_which_leaf():
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_an_optimizer_update_recompiled_for_a_new_state_type_says_which_leaf(lazy):
     w = tfl.Param(jnp.ones(3), name="w")
     opt = tfl.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), [w])
     with tfl.compile_log(file=None) as log:
         for lr in (None, 0.25):
             if lr is not None:
                 opt.state.hyperparams["learning_rate"] = lr  # by hand, a Python float: a weakly typed leaf
-            with tfl.Session(lazy=False) as s:  # eager: the update is a program of its own
+            # eager: the update is a program of its own; lazy: it is part of the step program
+            with tfl.Session(lazy=lazy) as s:
                 opt.step(s.backward(tfl.sum(w * w)))
-    whys = [r.why for r in log.records if r.what.startswith("optimizer update")]
+    program = "lazy step program" if lazy else "optimizer update"
+    whys = [r.why for r in log.records if r.what.startswith(program)]
     assert whys[-1] == "new weak type of optimizer state leaf 1: False -> True", whys

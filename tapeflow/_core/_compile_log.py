@@ -63,6 +63,7 @@ __all__ = [
     "pending_notes",
     "set_recompile_warning",
     "traced",
+    "tree_signature",
 ]
 
 DEFAULT_WARN_AFTER = 8
@@ -141,6 +142,21 @@ def arrays(named: Sequence[tuple[str, object]]) -> list[SigEntry]:
             out.append((label, "dtype", str(x.dtype)))
         else:
             out.append((label, "static value", x))
+    return out
+
+
+def tree_signature(tree: object, label: str) -> list[SigEntry]:
+    """Signature entries of a pytree's leaves (``"<label> <i>"``): shape, dtype and weak type of each.
+
+    >>> import jax.numpy as jnp
+    >>> [kind for _, kind, _ in tree_signature({"mu": jnp.zeros(2)}, "optimizer state leaf")]
+    ['shape', 'dtype', 'weak type']
+    """
+    out: list[SigEntry] = []
+    for i, x in enumerate(jax.tree_util.tree_leaves(tree)):
+        name = f"{label} {i}"
+        out += arrays([(name, x)])
+        out.append((name, "weak type", bool(getattr(getattr(x, "aval", x), "weak_type", False))))
     return out
 
 

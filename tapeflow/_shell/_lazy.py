@@ -248,11 +248,12 @@ def _skeleton(tape: Tape) -> Tape:
     return with_values(tape, [None] * len(tape))
 
 
-def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...]) -> None:
+def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...], state: object = None) -> None:
     """Tell the compile log (while ``name`` is traced) what compiles: counted per recording without its shapes.
 
-    The signature is the shape and dtype of every leaf and each node's attributes, so a
-    recompile names the input whose shape changed (a new batch size) or the attribute.
+    The signature is the shape and dtype of every leaf, each node's attributes and (a step
+    program) the optimizer state's leaves with their weak types, so a recompile names the
+    input whose shape changed (a new batch size), the attribute or the state leaf.
     """
     nodes = skel.nodes
     ops = tuple((nd.op, nd.opdef, nd.parents, nd.requires_grad) for nd in nodes)
@@ -265,7 +266,7 @@ def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...]) ->
                 sig.append((f"input node {i}", "dtype", str(nd.dtype)))
             else:
                 sig += [(f"node {i} ({nd.op}) attribute {k}", "static value", v) for k, v in nd.attrs]
-        return sig
+        return sig + _compile_log.tree_signature(state, "optimizer state leaf")
 
     _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
 
@@ -445,7 +446,7 @@ class LazyGrads:
             def lazy_step_program(
                 given: list[Array], seed: Array | None, rest: list[Array], state: OptState, step_fn: StepFn[S]
             ) -> tuple[S, Array]:
-                _log_trace("lazy_step_program", "lazy step program", skel, pending)
+                _log_trace("lazy_step_program", "lazy step program", skel, pending, state)
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 others = iter(rest)

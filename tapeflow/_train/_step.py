@@ -287,20 +287,10 @@ def optimizer_update(rule: SlotRule, parts: SlotParts, *args: object, **kwargs: 
         lambda: [
             ("the slots used", "structure", tuple(0 if p is None else len(p) for p in parts)),
             ("check_finite", "static value", kwargs.get("check_finite")),
-            *_state_signature(args[1] if len(args) > 1 else kwargs.get("state")),
+            *_compile_log.tree_signature(args[1] if len(args) > 1 else kwargs.get("state"), "optimizer state leaf"),
         ],
     )
     return step(rule, parts, *args, **kwargs)  # type: ignore[arg-type]
-
-
-def _state_signature(state: object) -> list[SigEntry]:
-    """The optimizer state's leaves as the compile log keys them: shape, dtype and weak type of each."""
-    out = []
-    for i, x in enumerate(jax.tree_util.tree_leaves(state)):
-        label = f"optimizer state leaf {i}"
-        out += _compile_log.arrays([(label, x)])
-        out.append((label, "weak type", bool(getattr(getattr(x, "aval", x), "weak_type", False))))
-    return out
 
 
 STEP = jax.jit(optimizer_update, static_argnums=0, static_argnames=("check_finite", "keep_on_refusal"))
