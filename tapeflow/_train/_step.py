@@ -45,7 +45,6 @@ import optax
 
 from .._core import _compile_log
 from .._core import _registry as R
-from .._core._compile_log import SigEntry
 from .._core._result import TapeError
 from .._core._typing import Array, OptState, PyTree
 from .._shell import _grads
