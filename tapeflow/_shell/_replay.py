@@ -109,7 +109,7 @@ class Event:
     """One ``apply`` call of a lazy recording, and the nodes it appended (values left out)."""
 
     __slots__ = (
-        "_fast", "_lane", "attrs", "checked", "kinds", "opdef", "opname", "out", "plan", "refs", "storages", "tracked",
+        "_fast", "attrs", "checked", "kinds", "lane", "opdef", "opname", "out", "plan", "refs", "storages", "tracked",
         "trainable",
     )  # fmt: skip
 
@@ -143,9 +143,13 @@ class Event:
         # this event's match with its tests written out, made when it first replays (a training loop replays
         # one event per op per step)
         self._fast: Replay | None = None
-        self._lane: LaneMatch | None = None  # the same tests, for a lane (made when first asked)
+        # :meth:`match` for a :class:`Lane`, called as ``ev.lane(opname, operands, attrs, tracked, device, vals,
+        # host)``: on a match it appends the values of the leaves the call records (each Param use reads its
+        # storage now, a number's constant, an array operand) to ``vals`` and answers True; nodes are built later.
+        # The code written out for this event (the same tests as ``_fast``), made on the first call.
+        self.lane: LaneMatch = self._first_lane
 
-    def lane(
+    def _first_lane(
         self,
         opname: str,
         operands: Sequence[object],
@@ -155,11 +159,8 @@ class Event:
         vals: list[Array],
         host: HostLeaf | None = None,
     ) -> bool:
-        """:meth:`match` for a :class:`Lane`: on a match, append the values of the leaves the call records (each
-        Param use reads its storage now, a number's constant) to ``vals`` and return True; nodes are built later."""
-        fn = self._lane
-        if fn is None:
-            fn = self._lane = _specialized(self, lane=True)
+        """:attr:`lane`'s first call: writes out its code, which answers this call and every later one."""
+        fn = self.lane = _specialized(self, lane=True)
         return fn(opname, operands, attrs, tracked, device, vals, host)
 
     def replay(
@@ -295,7 +296,7 @@ Replay = Callable[
 """An event's match: ``replay(opname, operands, attrs, tracked, device, host)`` as :meth:`Event.match` answers it."""
 
 LaneMatch = Callable[[str, Sequence[object], Hashable, bool, jax.Device, list[Array], "HostLeaf | None"], bool]
-"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals, host)`` (see :meth:`Event.lane`)."""
+"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals, host)`` (see :attr:`Event.lane`)."""
 
 
 def _specialized(ev: Event, lane: bool = False) -> Any:
@@ -304,7 +305,7 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
     Generated once per event, the first time it replays, as ``dataclasses`` writes its
     methods: every value the code compares with or builds from is a name bound in its
     namespace (never text spliced into the source), except operand positions and node ids.
-    ``lane=True``: :meth:`Event.lane`'s match (the same tests; it appends the leaves' values
+    ``lane=True``: :attr:`Event.lane`'s match (the same tests; it appends the leaves' values
     to ``vals`` and answers True, or False).
     """
     ns: dict[str, object] = {
