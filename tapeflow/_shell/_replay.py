@@ -83,7 +83,6 @@ makes its leaf's value (converted and placed; a position operand's ids checked a
 
 # what an event's appended node is: the op's node, a Param use, a number's leaf, an array operand's leaf
 _OP, _USE, _CONST, _ARR = 0, 1, 2, 3
-_CONCRETE = concrete_array_type()
 
 
 NodeArgs = tuple[Any, ...]
@@ -207,7 +206,7 @@ class Event:
                 if o is not r or o.storage is not st or o.trainable is not tr:  # type: ignore[attr-defined]
                     return None
             elif kind == ARRAY:  # placed on the device already: its leaf holds it as it is
-                if type(o) is not _CONCRETE or (o.shape, o.dtype) != r or device_of(o) is not device:  # type: ignore[attr-defined]
+                if type(o) is not concrete_array_type() or (o.shape, o.dtype) != r or device_of(o) is not device:  # type: ignore[attr-defined]
                     return None
             elif kind == HOST:
                 if type(o) is not np.ndarray or (o.shape, o.dtype) != r or host is None:
@@ -266,7 +265,7 @@ class Event:
             elif type(o) in (int, float, bool):
                 kinds.append(SCALAR)
                 refs.append(o)
-            elif type(o) is _CONCRETE and k in leaves and leaves[k].value is o:
+            elif type(o) is concrete_array_type() and k in leaves and leaves[k].value is o:
                 kinds.append(ARRAY)
                 refs.append(leaves[k].spec)
             elif type(o) is np.ndarray and o.dtype.kind in "biuf" and k in leaves:
@@ -310,7 +309,7 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
     """
     ns: dict[str, object] = {
         "Node": Node, "Tensor": Tensor, "REGISTRY": R.REGISTRY, "same_scalar": same_scalar,
-        "CONCRETE": _CONCRETE, "device_of": device_of, "NDARRAY": np.ndarray, "EV": ev,
+        "CONCRETE": concrete_array_type(), "device_of": device_of, "NDARRAY": np.ndarray, "EV": ev,
         "OPNAME": ev.opname, "OPDEF": ev.opdef, "ATTRS": ev.attrs, "TRACKED": ev.tracked,
     }  # fmt: skip
     n = len(ev.kinds)
