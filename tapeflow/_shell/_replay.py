@@ -365,7 +365,12 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
             nodes.append(f"C{j}")
             values.append(f"V{j}")
     if lane:
-        body += [f"    vals.append({v})" for v in values] + ["    return True"]
+        # every value is read before ``vals`` changes (a read that raises leaves the lane as it was)
+        if len(values) == 1:
+            body.append(f"    vals.append({values[0]})")
+        elif values:
+            body.append(f"    vals.extend(({', '.join(values)},))")
+        body.append("    return True")
         src = "def lane(opname, operands, attrs, tracked, device, vals, host=None):\n" + "\n".join(body) + "\n"
         exec(compile(src, f"<tapeflow lane of {ev.opname}>", "exec"), ns)
         return ns["lane"]

@@ -257,8 +257,8 @@ class Session:
     def _flush(self) -> None:
         """Turn the lane into nodes: the tape, Param leaves and events a node-by-node replay would have made."""
         lane = cast(Lane, self._lane)
-        self._lane = None
         t = lane.tape()
+        self._lane = None
         pbl, sbl = self._params_by_leaf, self._storage_by_leaf
         for i, p in lane.uses:
             pbl[i] = p
