@@ -148,34 +148,19 @@ class Event:
         # The code written out for this event (the same tests as ``_fast``), made on the first call.
         self.lane: LaneMatch = self._first_lane
 
-    def _first_lane(
-        self,
-        opname: str,
-        operands: Sequence[object],
-        attrs: Hashable,
-        tracked: bool,
-        device: jax.Device,
-        vals: list[Array],
-        host: HostLeaf | None = None,
-    ) -> bool:
-        """:attr:`lane`'s first call: writes out its code, which answers this call and every later one."""
+    def _first_lane(self, *call: Any) -> bool:
+        """:attr:`lane`'s first call (a :data:`LaneMatch` call): writes out its code, which answers this call and
+        every later one."""
         fn = self.lane = _specialized(self, lane=True)
-        return fn(opname, operands, attrs, tracked, device, vals, host)
+        return bool(fn(*call))
 
-    def replay(
-        self,
-        opname: str,
-        operands: Sequence[object],
-        attrs: Hashable,
-        tracked: bool,
-        device: jax.Device,
-        host: HostLeaf | None = None,
-    ) -> tuple[list[Node], list[tuple[int, Param]]] | None:
-        """:meth:`match`: by the code generated for this event once it has replayed (the same answer, faster)."""
+    def replay(self, *call: Any) -> tuple[list[Node], list[tuple[int, Param]]] | None:
+        """:meth:`match` (the same arguments): by the code generated for this event once it has replayed (the same
+        answer, faster)."""
         fast = self._fast
         if fast is not None:
-            return fast(opname, operands, attrs, tracked, device, host)
-        got = self.match(opname, operands, attrs, tracked, device, host)
+            return fast(*call)
+        got = self.match(*call)
         if got is not None:
             self._fast = cast(Replay, _specialized(self))
         return got
@@ -451,7 +436,7 @@ class Lane:
     While every call of a recording matches the outline, building its nodes is
     wasted work in a training loop that only steps: the program takes the leaves'
     values, and the structure is the outline's. A lane keeps just those values
-    (:attr:`vals`: each input, Param use and number leaf, in node order) and how
+    (:attr:`vals`: each input, Param use, number and array operand leaf, in node order) and how
     far it got (:attr:`pos`). The session builds the nodes (:meth:`tape`, the
     very nodes the node-by-node replay would have appended) the moment anything
     reads its tape or records what the outline does not hold, and goes on from
