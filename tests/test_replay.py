@@ -559,3 +559,39 @@ def test_host_ids_of_a_replayed_call_are_checked_and_copied_as_recorded(lane):
         y = tfl.sum(tfl.take(table, mine, axis=0))
         mine[:] = 1  # the call copied the ids: a later edit changes nothing recorded
         assert float(y) == float(np.sum(np.arange(12).reshape(6, 2)[[0, 5, 2]]))
+
+
+def test_two_sessions_on_lanes_interleaved_op_by_op_equal_each_alone(lane_counts):
+    def model(seed):
+        rng = np.random.default_rng(seed)
+        w = tfl.Param((rng.normal(size=(6, 5)) / 3).astype(F32), name="w")
+        return w, tfl.Optimizer(optax.adam(1e-2), [w])
+
+    def steps(interleaved):
+        (wa, oa), (wb, ob) = model(0), model(1)
+        a, b = tfl.Session(lazy=True), tfl.Session(lazy=True)
+        for _ in range(6):
+            with a, b:
+                if interleaved:  # each op of one session between two of the other
+                    ha, hb = s_in(a), s_in(b)
+                    ha, hb = tfl.tanh(ha @ wa), tfl.tanh(hb @ wb)
+                    la, lb = tfl.sum(ha * ha), tfl.sum(hb * hb)
+                else:
+                    ha = tfl.tanh(s_in(a) @ wa)
+                    la = tfl.sum(ha * ha)
+                    hb = tfl.tanh(s_in(b) @ wb)
+                    lb = tfl.sum(hb * hb)
+                with a.no_grad():  # a no-grad block on a lane: part of the match, its op records no gradient
+                    probe = tfl.sum(s_in(a) @ wa)
+                assert not probe.requires_grad
+                oa.step(a.backward(la))
+                ob.step(b.backward(lb))
+        return np.asarray(wa.value), np.asarray(wb.value)
+
+    def s_in(s):
+        return s.input(X)
+
+    alone, mixed = steps(False), steps(True)
+    for x, y in zip(alone, mixed):
+        np.testing.assert_array_equal(x, y)
+    assert lane_counts["backward"] > 0  # the steps after the first three ran on lanes
