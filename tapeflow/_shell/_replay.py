@@ -442,7 +442,8 @@ class Lane:
     reads its tape or records what the outline does not hold, and goes on from
     there as a replay; a backward of the whole outline and the fused optimizer
     step take :meth:`values` instead. A program's result for a node
-    (:meth:`fill`: the root's value) waits in :attr:`filled` until then.
+    (:meth:`fill`: the root's value) waits in :attr:`filled` until then, and is
+    read from there (:meth:`Session.value <tapeflow.Session.value>`).
     """
 
     __slots__ = ("base", "built", "filled", "outline", "pos", "starts", "uses", "vals")

@@ -450,6 +450,23 @@ class Session:
             read_host_inputs(self._tape, (h.id,))
         return nd
 
+    def value(self, h: Tensor) -> Array:
+        """The value of the live handle ``h`` (``node(h).value``); a lane's value that a program computed already
+        (the loss of a fused step) is read without building the recording's nodes.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> s.value(s.input(jnp.ones(2)) * 2.0).tolist()
+        [2.0, 2.0]
+        """
+        lane = self._lane
+        if lane is not None:
+            check_handle(h, self)
+            v = lane.filled.get(h.id)
+            if v is not None:
+                return v
+        return self.node(h).value
+
     # -- leaves ----------------------------------------------------------------
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""

@@ -502,7 +502,7 @@ class Tensor(TensorOps):
     @property
     def value(self) -> Array:
         """The forward value (a ``jax.Array``; a NumPy object array for exact rationals)."""
-        return self.node.value
+        return check_handle(self, self._session).value(self)
 
     def register_hook(self, fn: Hook) -> RemovableHandle:
         """Call ``fn(cotangent)`` when a backward of this recording reaches this node.
