@@ -58,7 +58,16 @@ from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
 from ._params import Storage
 
-__all__ = ["BackwardPlan", "Deferred", "Fingerprint", "LazyGrads", "LazyRecording", "eager_fingerprint", "materialize"]
+__all__ = [
+    "BackwardPlan",
+    "Deferred",
+    "Fingerprint",
+    "LazyGrads",
+    "LazyRecording",
+    "ProgramKey",
+    "eager_fingerprint",
+    "materialize",
+]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
@@ -271,7 +280,28 @@ def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...], st
     _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
 
 
-def _program(key: tuple[Hashable, ...], build: Callable[[], F], static_argnums: tuple[int, ...] = ()) -> F:
+class ProgramKey:
+    """A program's cache key: its parts hashed once (a cache hit hashes its key twice, to find it and to mark
+    it recently used, and a step's key has a hundred parts: the structure, the pending ids, the slots).
+
+    >>> ProgramKey(("step", (0, 1))) == ProgramKey(("step", (0, 1)))
+    True
+    """
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is ProgramKey and other._hash == self._hash and other.parts == self.parts
+
+
+def _program(key: Hashable, build: Callable[[], F], static_argnums: tuple[int, ...] = ()) -> F:
     fn = _PROGRAMS.hit(key)
     if fn is None:
         fn = cast(F, maybe_tiered(build(), static_argnums))  # tiered compilation, when it is on
@@ -376,9 +406,9 @@ class LazyGrads:
             return cast(Deferred, rec).leaf_value(i)
         return self.tape[i].value
 
-    def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> tuple[Hashable, ...]:
+    def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> ProgramKey:
         seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))
-        return (kind, self.struct, pending, self.root, self.ids, seed, *extra)
+        return ProgramKey((kind, self.struct, pending, self.root, self.ids, seed, *extra))
 
     def _set_root(self, value: Array) -> None:
         rec = self.recording
