@@ -376,13 +376,13 @@ class LazyGrads:
     def __init__(
         self,
         struct: Structure,
-        tape: Tape | Deferred,
+        recording: Tape | Deferred,
         root: NodeId,
         seed: Array | None,
         ids: Sequence[NodeId],
     ):
-        self.recording, self.root, self.seed, self.ids = tape, root, seed, tuple(ids)
-        self.struct = struct  # LazyRecording.structure(tape)
+        self.recording, self.root, self.seed, self.ids = recording, root, seed, tuple(ids)
+        self.struct = struct  # LazyRecording.structure of the recording's tape
 
     @property
     def tape(self) -> Tape:
@@ -400,11 +400,12 @@ class LazyGrads:
         return _split(self.tape)
 
     def leaf_value(self, i: NodeId) -> Array:
-        """The value of leaf ``i`` of the recording."""
+        """The value of leaf ``i`` of the recording (a deferred one's, without building its nodes if it can)."""
         rec = self.recording
-        if type(rec) is not Tape and cast(Deferred, rec).values() is not None:
-            return cast(Deferred, rec).leaf_value(i)
-        return self.tape[i].value
+        if type(rec) is Tape:
+            return rec[i].value
+        deferred = cast(Deferred, rec)
+        return deferred.leaf_value(i) if deferred.values() is not None else deferred.tape()[i].value
 
     def _key(self, kind: str, pending: tuple[NodeId, ...], *extra: Hashable) -> ProgramKey:
         seed = None if self.seed is None else (tuple(jnp.shape(self.seed)), jnp.result_type(self.seed))
