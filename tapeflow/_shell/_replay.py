@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import islice
 from typing import Any, cast
 
 import jax
@@ -109,7 +110,7 @@ class Event:
 
     __slots__ = (
         "_fast", "attrs", "checked", "kinds", "lane", "opdef", "opname", "out", "plan", "refs", "storages", "tracked",
-        "trainable",
+        "trainable", "uses",
     )  # fmt: skip
 
     def __init__(
@@ -139,6 +140,8 @@ class Event:
         self.checked = checked  # the operand specs and normalized attributes the op check saw (for host ids)
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
+        # ``(offset, Param)`` of each Param leaf among the appended nodes
+        self.uses = tuple((j, cast(Param, refs[k])) for j, (code, _, k) in enumerate(plan) if code == _USE)
         # this event's match with its tests written out, made when it first replays (a training loop replays
         # one event per op per step)
         self._fast: Replay | None = None
@@ -199,21 +202,32 @@ class Event:
             elif type(o) is not type(r) or o != r or (o == 0 and not same_scalar(o, r)):
                 return None
         made = {k: host(self, k, o) for k, (o, kind) in enumerate(zip(operands, self.kinds)) if kind == HOST}  # type: ignore[misc, arg-type]
+        leaves = [
+            cast(Param, operands[k]).storage.read(device)
+            if code == _USE
+            else made[k]
+            if k in made
+            else operands[k]
+            if code == _ARR
+            else args[3].value
+            for code, args, k in self.plan[:-1]
+        ]
+        return self.nodes(leaves), list(self.uses)
+
+    def nodes(self, leaves: Iterable[Array], value: Array = PENDING) -> list[Node]:
+        """The nodes this event appends, given its leaves' values in order (each Param use's, each array
+        operand's, each number's) and the op's (``PENDING`` until a program computed it)."""
         out: list[Node] = []
-        params: list[tuple[int, Param]] = []
-        for code, args, k in self.plan:  # each node from its template's arguments: only a use's value is new
+        it = iter(leaves)
+        for code, args, _ in self.plan:  # each node from its template's arguments: only the values are new
             if code == _OP:
-                out.append(Node(*args))
-            elif code == _USE:
-                p = cast(Param, operands[k])
-                params.append((len(out), p))
-                rg, shape, dtype, spec = args  # a leaf's
-                out.append(Node(None, (), (), p.storage.read(device), rg, shape, dtype, spec))
-            elif code == _ARR:
-                out.append(Node(None, (), (), made[k] if k in made else operands[k], *args))
-            else:
+                out.append(Node(*args) if value is PENDING else Node(*(*args[:3], value, *args[4:])))
+            elif code == _CONST:
+                next(it)
                 out.append(args[3])  # a number's constant leaf: the same immutable node
-        return out, params
+            else:
+                out.append(Node(None, (), (), next(it), *args))
+        return out
 
     @staticmethod
     def of(
@@ -499,19 +513,10 @@ class Lane:
                 n += 1
                 continue
             starts.append((n, ev))
-            for j, (code, args, k) in enumerate(ev.plan):
-                if code == _OP:
-                    v = filled.get(n + j, PENDING)
-                    out.append(Node(*args) if v is PENDING else Node(*(*args[:3], v, *args[4:])))
-                elif code == _USE:
-                    uses.append((n + j, cast(Param, ev.refs[k])))
-                    out.append(Node(None, (), (), next(vals), *args))
-                elif code == _ARR:
-                    out.append(Node(None, (), (), next(vals), *args))
-                else:
-                    next(vals)
-                    out.append(args[3])  # a number's constant leaf: the same immutable node
-            n += len(ev.plan)
+            size = len(ev.plan)
+            out += ev.nodes(islice(vals, size - 1), filled.get(n + size - 1, PENDING))
+            uses += [(n + j, p) for j, p in ev.uses]
+            n += size
         t = self.built = append_nodes(self.base, out)
         self.starts, self.uses = starts, uses
         return t
