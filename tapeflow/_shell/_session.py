@@ -512,20 +512,26 @@ class Session:
                 got = self._lane_leaf(v, dt, requires_grad)
                 if got is not None:
                     return got
-            rg = requires_grad and self.grad_enabled and not self._grad.depth and R.is_float(dt)
-            t, i = append_node(self._tape, Node(None, (), (), v, rg, v.shape, dt))
+            t, i = append_node(self._tape, Node(None, (), (), v, self._leaf_grad(requires_grad, dt), v.shape, dt))
             self._commit(t)
             return self._handle(i)
         return self._commit_leaf(v, requires_grad)
+
+    def _leaf_grad(self, requires_grad: bool, dt: np.dtype) -> bool:
+        """Whether an input leaf of dtype ``dt`` records gradients: asked for, gradients on here, a float."""
+        return bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
 
     def _lane_leaf(self, v: Array | np.ndarray, dt: np.dtype, requires_grad: bool) -> Tensor | None:
         """An input leaf holding ``v`` (as :meth:`input` records it) on the lane, if the outline has one here."""
         self.check_thread()
         lane = cast(Lane, self._lane)
         ol, n = lane.outline, lane.pos
-        rg = bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
         spec = (tuple(v.shape), dt)
-        if n >= len(ol.keys) or n in ol.events or ol.keys[n] != (None, (), (), rg, spec):
+        if (
+            n >= len(ol.keys)
+            or n in ol.events
+            or ol.keys[n] != (None, (), (), self._leaf_grad(requires_grad, dt), spec)
+        ):
             return None
         lane.vals.append(v)
         lane.pos = n + 1
