@@ -40,8 +40,36 @@ def pin_to_one_core() -> int | None:
     return core
 
 
+DISPATCH_ENV = "TAPEFLOW_BENCH_DISPATCH"
+
+
+def cpu_dispatch() -> str:
+    """How JAX dispatches programs on the CPU in this run: ``"sync"`` (the scripts' setting) or ``"async"``.
+
+    On one pinned core JAX's default, asynchronous dispatch, runs every program
+    on a second thread of that same core: each op pays a hand-off between two
+    threads and nothing overlaps, while PyTorch runs its ops on the calling
+    thread. The scripts therefore turn it off (``jax_cpu_enable_async_dispatch``),
+    the setting a JAX user picks on one core, for every JAX system they time
+    alike; ``TAPEFLOW_BENCH_DISPATCH=async`` keeps JAX's default (child processes
+    inherit the choice through the environment).
+    """
+    return "async" if os.environ.get(DISPATCH_ENV, "sync").strip().lower() == "async" else "sync"
+
+
+def set_cpu_dispatch() -> str:
+    """Apply :func:`cpu_dispatch` to this process (before JAX starts its CPU client) and to its children."""
+    mode = cpu_dispatch()
+    os.environ[DISPATCH_ENV] = mode
+    os.environ["JAX_CPU_ENABLE_ASYNC_DISPATCH"] = "true" if mode == "async" else "false"
+    jax.config.update("jax_cpu_enable_async_dispatch", mode == "async")
+    return mode
+
+
 if sys.argv and Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent:
-    pin_to_one_core()  # a benchmark script imports this before it times anything (a test importing it is not pinned)
+    # a benchmark script imports this before it times anything (a test importing it is neither pinned nor set)
+    pin_to_one_core()
+    set_cpu_dispatch()
 
 
 def min_of_k(call: Callable[[], Any], n: int, k: int, warmup: int = 1, *, pause_gc: bool = True) -> float:
@@ -199,6 +227,7 @@ def machine_info() -> dict[str, Any]:
             info[optional] = getattr(sys.modules[optional], "__version__", None) or _version(optional)
     info["device"] = str(jax.devices()[0])
     info["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    info["cpu_dispatch"] = cpu_dispatch()
     return info
 
 

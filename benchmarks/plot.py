@@ -663,7 +663,7 @@ def per_op_table(runs: Sequence[Run]) -> str | None:
 
 def machine_table(runs: Sequence[Run]) -> str:
     runs = sorted(runs, key=lambda r: (r.benchmark, str(r.path)))
-    keys = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", *VERSION_KEYS]
+    keys = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", "cpu_dispatch", *VERSION_KEYS]
     present = [k for k in keys if any(r.machine.get(k) not in (None, "") for r in runs)]
     rows: list[list[Any]] = [["date", *(fmt_date(r.date) for r in runs)]]
     rows.append(["quick run", *("yes" if r.quick else "no" for r in runs)])
