@@ -100,3 +100,34 @@ def test_a_failing_vjp_raises_at_backward_with_the_tape_unchanged():
         from tapeflow._core._registry import unregister
 
         unregister("failing_vjp")
+
+
+def test_recordings_that_cannot_be_one_program_stay_op_by_op_and_keep_no_block_alive():
+    import gc
+    from fractions import Fraction
+
+    w = tfl.Param(np.array([1.0, 2.0], F32), name="w")
+
+    def block(h):
+        return tfl.sin(h * w)
+
+    s = tfl.Session(lazy=False)
+    ck = tfl.checkpoint(block)
+    for _ in range(3):  # a checkpointed block: its op must go with its wrapper, so no program (or key) holds it
+        with s:
+            g = s.backward(tfl.sum(ck(s.input(np.ones(2, F32)))))
+            assert g.pending is None
+            np.testing.assert_allclose(g[w], np.cos(np.array([1.0, 2.0], F32)), rtol=1e-6)
+            name = ck(s.input(np.ones(2, F32))).op
+    del ck, g, s
+    gc.collect()
+    assert name not in tfl.REGISTRY
+    q = tfl.Param(np.array([Fraction(1, 3), Fraction(2, 5)], dtype=object), name="q")
+    s = tfl.Session(lazy=False)
+    with pytest.warns(tfl.RationalFallbackWarning):  # said once, by the first op on them
+        s.input(q.value)
+    s.reset()
+    for _ in range(3):  # exact rationals are computed by NumPy, never compiled
+        with s:
+            g = s.backward(tfl.sum(q * q))
+            assert g.pending is None and list(g[q]) == [Fraction(2, 3), Fraction(4, 5)]

@@ -61,11 +61,9 @@ from ._params import Storage
 __all__ = [
     "BackwardPlan",
     "Deferred",
-    "Fingerprint",
     "LazyGrads",
     "LazyRecording",
     "ProgramKey",
-    "eager_fingerprint",
     "materialize",
 ]
 
@@ -166,18 +164,44 @@ class LazyRecording:
     ``plan`` is the last backward's :class:`BackwardPlan` (kept across resets).
     """
 
-    __slots__ = ("epoch", "exact", "keys", "plan")
+    __slots__ = ("checked", "epoch", "exact", "keys", "plan")
 
     def __init__(self, plan: BackwardPlan | None = None) -> None:
         self.keys: list[int] = []
         self.epoch = _epoch  # the intern table's epoch that ``keys`` belong to
         self.exact = False  # the recording holds exact-rational values (NumPy objects): it is computed eagerly
+        self.checked = 0  # nodes that :meth:`compiled_structure` found fit for one program
         self.plan = plan
 
     def truncate(self, n: int) -> None:
         """The tape went back to ``n`` nodes (a failed backward put the old tape back)."""
         if len(self.keys) > n:
             del self.keys[n:]
+        self.checked = min(self.checked, n)
+
+    def compiled_structure(self, tape: Tape) -> Structure | None:
+        """:meth:`structure` of an eager recording whose backward may run as one program; None: it may not.
+
+        None for a recording of exact rationals or tracers, or one that holds a
+        checkpointed block (its op must go when its wrapper does, and a node
+        keyed here, like a cached program, would keep it). Each node is looked
+        at once, before it is keyed.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session(lazy=False)
+        >>> h = tfl.sum(s.input(jnp.ones(2)))
+        >>> LazyRecording().compiled_structure(s.recording) is not None
+        True
+        """
+        nodes = tape.nodes
+        for nd in nodes[self.checked :]:
+            d = nd.opdef
+            if nd.dtype == R.OBJECT or (d is not None and d.user and not d.public):
+                return None
+            if d is None and isinstance(nd.value, jax.core.Tracer):
+                return None
+        self.checked = len(nodes)
+        return self.structure(tape)
 
     def structure(self, tape: Tape) -> Structure:
         """The interned structure of ``tape``: its epoch, then each node's id (a node keyed once, when first seen).
@@ -196,30 +220,6 @@ class LazyRecording:
                 keys.append(_intern((nd.opdef, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
             if _epoch == epoch:
                 return (epoch, *keys) if len(keys) == n else (epoch, *keys[:n])
-
-
-Fingerprint: TypeAlias = tuple[tuple[object, ...], ...]
-"""A recording's structure as :func:`eager_fingerprint` sees it (op definitions by id: it keeps none alive)."""
-
-
-def eager_fingerprint(tape: Tape) -> Fingerprint | None:
-    """The structure of an eager recording, to tell whether its backward was seen before; None: never compiled.
-
-    Op definitions are named by ``id`` so the fingerprint keeps none alive (a
-    reused id can only cause a lookup of the interned structure, which names
-    the definitions themselves). None for a recording of exact rationals or
-    tracers, or one that holds a checkpointed block (its op must go when its
-    wrapper does, and a cached program would keep it).
-    """
-    out: list[tuple[object, ...]] = []
-    for nd in tape.nodes:
-        d = nd.opdef
-        if nd.dtype == R.OBJECT or (d is not None and d.user and not d.public):
-            return None
-        if d is None and isinstance(nd.value, jax.core.Tracer):
-            return None
-        out.append((id(d), nd.attrs, nd.parents, nd.requires_grad, nd.spec))
-    return tuple(out)
 
 
 def _split(tape: Tape) -> tuple[tuple[NodeId, ...], list[Array]]:

@@ -49,7 +49,7 @@ from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRN
 from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import BackwardPlan, Fingerprint, LazyGrads, LazyRecording, Structure, eager_fingerprint, materialize
+from ._lazy import BackwardPlan, LazyGrads, LazyRecording, Structure, materialize
 from ._params import Param, Storage
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
 from ._replay import Event, Lane, Outline, node_key
@@ -233,7 +233,7 @@ class Session:
         self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
         self._outline: Outline | None = None  # a lazy session's last recording, replayed while it matches
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
-        self._seen: Fingerprint | None = None  # an eager session's last backward's structure
+        self._seen: Structure | None = None  # an eager session's last backward's structure
         self._stepped = -1  # the generation an optimizer last stepped from (a backward after that: no reset)
         self._warned_growth = False
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
@@ -481,8 +481,8 @@ class Session:
             ol = self._outline
             if ol is not None:
                 ol.follow(t)  # nodes recorded outside the replay fast path still match the outline?
-        elif len(t) < len(self._lazy.keys):  # an eager session keys its structure for a compiled backward
-            self._lazy.truncate(len(t))
+        elif len(t) < self._lazy.checked or len(t) < len(self._lazy.keys):  # an eager session keys its structure
+            self._lazy.truncate(len(t))  # for a compiled backward: a failed one put an older tape back
         if self._sites is not None:
             self._sites.note(len(self._tape), len(t))
         self._tape = t
@@ -1073,9 +1073,9 @@ class Session:
 
     def _seen_before(self, tape: Tape) -> bool:
         """Whether this eager session's last backward had ``tape``'s structure (and this one may be compiled)."""
-        fp = eager_fingerprint(tape)
-        seen = fp is not None and fp == self._seen
-        self._seen = fp
+        struct = self._lazy.compiled_structure(tape)
+        seen = struct is not None and struct == self._seen
+        self._seen = struct
         return seen and self._param_source is None
 
     # -- reset -----------------------------------------------------------------
