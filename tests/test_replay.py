@@ -596,3 +596,88 @@ def test_two_sessions_on_lanes_interleaved_op_by_op_equal_each_alone(lane_counts
     for x, y in zip(alone, mixed):
         np.testing.assert_array_equal(x, y)
     assert lane_counts["backward"] > 0  # the steps after the first three ran on lanes
+
+
+# --------------------------------------------------------------------------- eager sessions replay too
+#
+# An eager session matches each call against its last recording as a lazy one does, and on a match runs the op's
+# kernel at once, at its line: every value is there as in the normal path, and its compiled backward reuses the
+# outline's structure. The oracle is a fresh eager session per step, which never replays.
+
+
+@pytest.mark.parametrize("build", [mlp, tied_autoencoder, char_lm], ids=["mlp", "tied_ae", "char_lm"])
+def test_an_eager_replay_computes_every_value_at_its_line_bit_for_bit(build):
+    _, loss_fn = _build(build)
+    s = tfl.Session(lazy=False)
+    for step in range(5):
+        with s:
+            loss = loss_fn(s)
+            assert float(loss) == float(loss)  # the value is there at its line
+            got = [np.asarray(nd.value) for nd in s.recording.nodes]
+            assert (replayed(s) == len(s.recording)) == (step >= 2)
+        with tfl.Session(lazy=False) as f:
+            loss_fn(f)
+            want = [np.asarray(nd.value) for nd in f.recording.nodes]
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}, node {i}")
+
+
+def _fresh_eager_loop(body, steps: int = 8):
+    """:func:`_loop` with a new eager session per step (never replayed), the RNG counter carried over."""
+    rng = np.random.default_rng(0)
+    params = [tfl.Param((rng.normal(size=(6, 5)) / 3).astype(F32), name="w"), tfl.Param(np.zeros(5, F32), name="b")]
+    opt = tfl.Optimizer(optax.adam(1e-2), params)
+    losses, counter = [], 0
+    for step in range(steps):
+        s = tfl.Session(lazy=False, seed=0)
+        s.set_rng_state(counter=counter)
+        try:
+            with s:
+                loss = body(s, step, params)
+                opt.step(s.backward(loss))
+                losses.append(float(loss))
+        except tfl.TapeError as e:
+            losses.append(str(e))
+        counter = s.rng_counter
+    return losses, [np.asarray(p.value) for p in params]
+
+
+@pytest.mark.parametrize("body", FALLBACKS, ids=[f.__name__ for f in FALLBACKS])
+def test_every_fallback_of_an_eager_replay_gives_the_normal_eager_result(body):
+    f_losses, f_params = _fresh_eager_loop(body)
+    e_losses, e_params, fractions = _loop(body, lazy=False)
+    assert [type(v) for v in e_losses] == [type(v) for v in f_losses]
+    for a, b in zip(e_losses, f_losses):
+        if isinstance(a, str):
+            assert a == b  # the same error, at the same line
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(e_params, f_params):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert max(fractions) > 0  # the eager loop did replay where the steps matched
+
+
+def test_a_kernel_failing_on_an_eager_replay_raises_as_the_normal_path_and_records_nothing(monkeypatch):
+    from tapeflow._core._tape import kernel_failed
+
+    w = tfl.Param(np.ones((3, 2), F32), name="w")
+    x = np.ones((4, 3), F32)
+    s = tfl.Session(lazy=False)
+    for _ in range(2):
+        with s:
+            tfl.relu(s.input(x) @ w)
+    ev = next(e for e in s._outline.events.values() if e.opname == "relu")
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ev, "kernel", boom)
+    with s:
+        h = s.input(x) @ w
+        before = s.recording
+        with pytest.raises(tfl.TapeError) as err:
+            tfl.relu(h)
+        assert str(err.value) == kernel_failed("relu", [before[h.id]], RuntimeError("boom"))
+        assert s.recording is before  # nothing was recorded
+        np.testing.assert_allclose(tfl.tanh(h).value, np.tanh(x @ np.ones((3, 2), F32)), rtol=1e-6)

@@ -53,6 +53,7 @@ __all__ = [
     "computed_values",
     "fill_pending",
     "keep_tape_on_error",
+    "kernel_failed",
     "leaf",
     "node_id",
     "place",
@@ -610,8 +611,7 @@ def append_op(
         else:
             out = entry.fn(*[nd.value for nd in ins])
     except Exception as e:  # a kernel failure (device, numerics of exact arrays, ...)
-        specs = [nd.spec for nd in ins]
-        return tape, Err(f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe(specs)})")
+        return tape, Err(kernel_failed(op, ins, e))
     rg = False
     if entry.differentiable and requires_grad:
         for i in entry.diff:
@@ -626,6 +626,11 @@ def append_op(
     else:
         node = Node(op, entry.attrs, ids, out, rg, entry.shape, entry.dtype, entry.spec, entry.opdef)
     return _append(tape, node), (_OKS[n] if n < _N_OKS else Ok(n))
+
+
+def kernel_failed(op: str, ins: Sequence[Node], e: Exception) -> str:
+    """The message of op ``op``'s kernel raising ``e`` on the operand nodes ``ins`` (every path that runs one)."""
+    return f"{op}: kernel failed ({type(e).__name__}: {e}) (operands: {R.describe([nd.spec for nd in ins])})"
 
 
 def _check(

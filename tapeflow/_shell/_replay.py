@@ -1,7 +1,7 @@
-"""Record once, replay after: a lazy session's recording of the last step, matched op by op by the next one.
+"""Record once, replay after: a session's recording of the last step, matched op by op by the next one.
 
 A training loop records the same ops on the same Params step after step.
-While a lazy session records, each :meth:`Session.apply <tapeflow.Session.apply>`
+While a lazy session (or an eager one, for the ops XLA computes) records, each :meth:`Session.apply <tapeflow.Session.apply>`
 call notes an :class:`Event`: the op, its attributes, what each operand was (a
 handle's node id, a Param by identity with its storage and trainable flag, a
 Python number), the recording context, and the nodes the call appended (leaves
@@ -13,7 +13,8 @@ same tape position, while every node recorded so far matched the outline too
 (:attr:`Outline.matched` counts them; a node appended outside ``apply``, an
 input or a random draw, is compared with the outline's node at its position),
 appends the event's nodes again with this call's values: each Param use reads
-its storage now, a number is the same constant, the op's node is pending. It
+its storage now, a number is the same constant, the op's node is pending (an
+eager session runs the event's kernel at once: :meth:`Event.compute`). It
 skips the op check, because a matching call was checked in the step that
 recorded it and would be checked the same way: the same op definition, the same
 attributes and the same operand specs (an operand node at a matched position
@@ -54,7 +55,8 @@ import numpy as np
 from .._core import _registry as R
 from .._core._device import concrete_array_type, device_of
 from .._core._node import PENDING, Node
-from .._core._tape import Tape, append_nodes, fill_pending
+from .._core._result import TapeError
+from .._core._tape import Tape, append_nodes, fill_pending, kernel_failed
 from .._core._typing import Array, NodeId, Shape
 from ._lazy import BackwardPlan, Structure
 from ._params import Param, Storage
@@ -106,11 +108,12 @@ def same_scalar(a: object, b: object) -> bool:
 
 
 class Event:
-    """One ``apply`` call of a lazy recording, and the nodes it appended (values left out)."""
+    """One ``apply`` call of a recording (a lazy one, or an eager one XLA computes), and the nodes it appended
+    (values left out)."""
 
     __slots__ = (
-        "_fast", "attrs", "checked", "kinds", "lane", "opdef", "opname", "out", "plan", "refs", "storages", "tracked",
-        "trainable", "uses",
+        "_fast", "attrs", "checked", "kernel", "kinds", "lane", "opdef", "opname", "out", "plan", "refs", "storages",
+        "tracked", "trainable", "uses",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +128,7 @@ class Event:
         tracked: bool,
         plan: tuple[tuple[int, NodeArgs, int], ...],
         checked: tuple[tuple[R.Spec, ...], dict[str, object]] = ((), {}),
+        kernel: Callable[..., Array] | None = None,
     ) -> None:
         self.opname = opname
         self.opdef = opdef
@@ -138,6 +142,7 @@ class Event:
         # Param use's (requires_grad, shape, dtype, spec), a number's leaf itself (as the value argument)
         self.plan = plan
         self.checked = checked  # the operand specs and normalized attributes the op check saw (for host ids)
+        self.kernel = kernel  # the op's compiled forward for these operand specs (an eager replay runs it)
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
         # ``(offset, Param)`` of each Param leaf among the appended nodes
@@ -214,6 +219,19 @@ class Event:
         ]
         return self.nodes(leaves), list(self.uses)
 
+    def compute(self, new: list[Node], tape: Tape) -> None:
+        """Run the op of a replayed call now (an eager session's): its kernel on its operands' values, the nodes
+        of ``tape`` and the leaves among ``new`` (the nodes :meth:`replay` made), into its node, the last of
+        ``new``. A failing kernel raises :class:`TapeError` as the normal path does, and nothing is appended."""
+        op = new[-1]
+        n0 = len(tape)
+        ins = [tape[p] if p < n0 else new[p - n0] for p in op.parents]
+        try:
+            out = cast(Callable[..., Array], self.kernel)(*[nd.value for nd in ins])
+        except Exception as e:  # a kernel failure (device, numerics, ...)
+            raise TapeError(kernel_failed(self.opname, ins, e)) from None
+        new[-1] = Node(op.op, op.attrs, op.parents, out, op.requires_grad, op.shape, op.dtype, op.spec, op.opdef)
+
     def nodes(self, leaves: Iterable[Array], value: Array = PENDING) -> list[Node]:
         """The nodes this event appends, given its leaves' values in order (each Param use's, each array
         operand's, each number's) and the op's (``PENDING`` until a program computed it)."""
@@ -239,11 +257,12 @@ class Event:
         nodes: Sequence[Node],
         sources: Sequence[int],
         checked: tuple[tuple[R.Spec, ...], dict[str, object]] = ((), {}),
+        kernel: Callable[..., Array] | None = None,
     ) -> Event | None:
         """The event of a call whose appended ``nodes`` hold operand ``sources[j]`` (-1: the op's node); None if
         the call cannot be replayed (an operand that is neither a handle, a Param, a Python number, a
         ``jax.Array`` its leaf holds as it is nor a NumPy array of numbers). ``checked``: the operand specs
-        and normalized attributes the op was checked with."""
+        and normalized attributes the op was checked with; ``kernel``: its compiled forward for them."""
         kinds: list[int] = []
         refs: list[object] = []
         storages: list[Storage | None] = []
@@ -283,7 +302,17 @@ class Event:
             for nd, k in zip(nodes, sources)
         )
         return Event(
-            opname, opdef, attrs, tuple(kinds), tuple(refs), tuple(storages), tuple(trainable), tracked, plan, checked
+            opname,
+            opdef,
+            attrs,
+            tuple(kinds),
+            tuple(refs),
+            tuple(storages),
+            tuple(trainable),
+            tracked,
+            plan,
+            checked,
+            kernel,
         )
 
 
@@ -385,7 +414,7 @@ def _arguments(nd: Node, value: object) -> NodeArgs:
 
 
 class Outline:
-    """The last recording of a lazy session as events by tape position, and how far the current one matched it.
+    """The last recording of a session as events by tape position, and how far the current one matched it.
 
     ``keys`` are the recorded nodes' static parts (for nodes appended outside
     ``apply``); ``events[n]`` is the ``apply`` call that started at position

@@ -481,8 +481,12 @@ class Session:
             ol = self._outline
             if ol is not None:
                 ol.follow(t)  # nodes recorded outside the replay fast path still match the outline?
-        elif len(t) < self._lazy.checked or len(t) < len(self._lazy.keys):  # an eager session keys its structure
-            self._lazy.truncate(len(t))  # for a compiled backward: a failed one put an older tape back
+        else:
+            if len(t) < self._lazy.checked or len(t) < len(self._lazy.keys):  # an eager session keys its structure
+                self._lazy.truncate(len(t))  # for a compiled backward: a failed one put an older tape back
+            ol = self._outline
+            if ol is not None:
+                ol.follow(t)
         if self._sites is not None:
             self._sites.note(len(self._tape), len(t))
         self._tape = t
@@ -691,7 +695,7 @@ class Session:
                     return Tensor(self, owner, gen, n - 1, shape, dtype)
         t0 = self._tape
         ol = self._outline
-        # the last recording's call, again? (a lazy session without a policy whose Params read their storages)
+        # the last recording's call, again? (a session without a policy whose Params read their storages)
         if (
             ol is not None
             and ol.tape is t0
@@ -710,6 +714,8 @@ class Session:
                 got = ev.replay(opname, operands, akey, tracked, self.device, self._host_leaf)
                 if got is not None:
                     new, params = got
+                    if self._mode == "eager":
+                        ev.compute(new, t0)  # the op runs at its line, as in the normal path
                     t = append_nodes(t0, new)
                     if self._sites is not None:
                         self._sites.note(len(t0), len(t))
@@ -769,9 +775,15 @@ class Session:
         grad_on = not self._grad.depth
         tracked = self.grad_enabled and grad_on
         direct = self._param_source is None
-        # the call's event for the next recording to replay (a lazy op, Params read directly, no policy); a
-        # session notes events from its second recording on (a session used once pays nothing for replay)
-        note = lazy and direct and self._generation and self.precision is None
+        # the call's event for the next recording to replay (a lazy op, or an eager one XLA computes; Params read
+        # directly, no policy); a session notes events from its second recording on (a session used once pays
+        # nothing for replay)
+        note = (
+            (lazy or (self._mode == "eager" and entry.dtype is not R.OBJECT))
+            and direct
+            and self._generation
+            and self.precision is None
+        )
         sources: list[int] | None = [] if note else None
         for k, p in enumerate(plan):
             if type(p) is int:
@@ -828,7 +840,7 @@ class Session:
         except TypeError:
             return  # an unhashable attribute: not replayed
         checked = (specs, dict(entry.attrs))
-        ev = Event.of(opname, entry.opdef, akey, operands, tracked, t.nodes[n0:], [*sources, -1], checked)
+        ev = Event.of(opname, entry.opdef, akey, operands, tracked, t.nodes[n0:], [*sources, -1], checked, entry.fn)
         if ev is not None:
             self._events[n0] = ev
 
@@ -926,15 +938,15 @@ class Session:
         lazy = self._mode == "lazy" and not (create_graph or hooks or self._lazy.exact)
         # an eager session's backward runs as one compiled program (fused with the optimizer step that consumes
         # it) from the second backward of the same structure on; its first one runs op by op
+        lz, ol = self._lazy, self._outline
+        if ol is not None and len(lz.keys) < len(old) and (lazy or self._mode == "eager"):
+            hint = ol.structure_hint(len(old), lz.epoch)
+            if hint is not None:
+                lz.keys = hint  # a replayed recording's structure is the outline's
         compiled = self._mode == "eager" and not (create_graph or hooks) and self._seen_before(old)
         program = lazy or compiled
         plan: BackwardPlan | None = None
         if program:  # the same structure, Params and request as the last backward: what it worked out holds
-            lz, ol = self._lazy, self._outline
-            if ol is not None and len(lz.keys) < len(old):
-                hint = ol.structure_hint(len(old), lz.epoch)
-                if hint is not None:
-                    lz.keys = hint  # a replayed recording's structure is the outline's
             struct = lz.structure(old)
             wrt_ids = tuple(h.id for h in wrt)
             plan = self._lazy.plan
@@ -1092,7 +1104,7 @@ class Session:
         lane = self._lane
         if lane is not None and lane.pos == len(lane.outline.keys):
             self._lane = None  # the whole outline again, its nodes never built: it stays the outline as it is
-        elif self._mode == "lazy":
+        elif self._mode != "traced":
             self._keep_outline()
         self._tape = Tape.empty(self.device)
         ol = self._outline
