@@ -227,7 +227,7 @@ class Event:
         n0 = len(tape)
         ins = [tape[p] if p < n0 else new[p - n0] for p in op.parents]
         try:
-            out = cast(Callable[..., Array], self.kernel)(*[nd.value for nd in ins])
+            out = cast("Callable[..., Array]", self.kernel)(*[nd.value for nd in ins])
         except Exception as e:  # a kernel failure (device, numerics, ...)
             raise TapeError(kernel_failed(self.opname, ins, e)) from None
         new[-1] = Node(op.op, op.attrs, op.parents, out, op.requires_grad, op.shape, op.dtype, op.spec, op.opdef)
