@@ -194,11 +194,10 @@ class LazyRecording:
         True
         """
         nodes = tape.nodes
+        tracer, exact = jax.core.Tracer, R.OBJECT
         for nd in nodes[self.checked :]:
             d = nd.opdef
-            if nd.dtype == R.OBJECT or (d is not None and d.user and not d.public):
-                return None
-            if d is None and isinstance(nd.value, jax.core.Tracer):
+            if nd.dtype is exact or (isinstance(nd.value, tracer) if d is None else d.user and not d.public):
                 return None
         self.checked = len(nodes)
         return self.structure(tape)
