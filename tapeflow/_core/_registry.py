@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Literal, TypeAlias, get_args
@@ -418,20 +419,35 @@ def attr_key(items: Iterable[tuple[str, object]]) -> KernelKey:
     out: list[tuple[object, ...]] = []
     for k, v in items:
         t = type(v)
-        out.append((k, t, v) if t is not tuple else (k, _typed_tuple(v)))  # type: ignore[arg-type]
+        if t is tuple:
+            out.append((k, _typed_tuple(v)))  # type: ignore[arg-type]
+        elif t is float and _negative_zero(v):
+            out.append((k, t, v, _NEG_ZERO))  # -0.0 == 0.0, but a kernel may tell them apart (1 / x)
+        else:
+            out.append((k, t, v))
     out.sort()
     return tuple(out)
 
 
-_NESTED = object()  # marks a typed tuple that holds tuples
+_NESTED = object()  # marks a typed tuple that holds tuples, or a -0.0
+_NEG_ZERO = "-0.0"  # marks a key of -0.0 (equal to 0.0 and hashed alike, so keyed apart by this mark)
 
 
 def _typed_tuple(v: tuple[object, ...]) -> tuple[object, ...]:
-    """A flat tuple as ``(element types, v)``; a nested one as ``(_NESTED, typed element, ...)``."""
+    """A flat tuple as ``(element types, v)``; a nested one (or one holding -0.0) as ``(_NESTED, typed element, ...)``."""
     ts = tuple(map(type, v))
-    if tuple in ts:
-        return (_NESTED, *[_typed_tuple(x) if type(x) is tuple else (type(x), x) for x in v])
+    if tuple in ts or (float in ts and any(map(_negative_zero, v))):
+        return (_NESTED, *[_typed_tuple(x) if type(x) is tuple else _typed_scalar(x) for x in v])
     return (ts, v)
+
+
+def _typed_scalar(x: object) -> tuple[object, ...]:
+    return (float, x, _NEG_ZERO) if _negative_zero(x) else (type(x), x)
+
+
+def _negative_zero(x: object) -> bool:
+    """``x`` is the float -0.0 (which equals 0.0 and hashes alike)."""
+    return type(x) is float and x == 0.0 and math.copysign(1.0, x) < 0.0
 
 
 # --------------------------------------------------------------------------- kernels

@@ -69,8 +69,9 @@ __all__ = [
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)
-NodeKey: TypeAlias = tuple["R.OpDef | None", Attrs, tuple[int, ...], bool, R.Spec]
-"""What a lazy structure keys a node by: ``(op definition, attrs, parents, requires_grad, spec)``."""
+NodeKey: TypeAlias = tuple["R.OpDef | None", "R.KernelKey | Attrs", tuple[int, ...], bool, R.Spec]
+"""What a lazy structure keys a node by: ``(op definition, attrs, parents, requires_grad, spec)``, the attributes
+typed as a kernel cache keys them (so -0.0 is not 0.0)."""
 
 Structure: TypeAlias = tuple[int, ...]
 """A recording's key: the intern table's epoch, then one interned id per node."""
@@ -216,7 +217,8 @@ class LazyRecording:
                 self.keys, self.epoch = [], epoch
             keys = self.keys
             for nd in tape.nodes[len(keys) :]:
-                keys.append(_intern((nd.opdef, nd.attrs, nd.parents, nd.requires_grad, nd.spec)))
+                a = nd.attrs
+                keys.append(_intern((nd.opdef, R.attr_key(a) if a else a, nd.parents, nd.requires_grad, nd.spec)))
             if _epoch == epoch:
                 return (epoch, *keys) if len(keys) == n else (epoch, *keys[:n])
 

@@ -73,6 +73,7 @@ __all__ = [
     "Lane",
     "Outline",
     "node_key",
+    "registered_outside",
     "same_scalar",
 ]
 
@@ -422,7 +423,7 @@ class Outline:
     equals the outline (the replay fast path runs only at its end).
     """
 
-    __slots__ = ("_pending", "epoch", "events", "interned", "keys", "matched", "plan", "struct", "tape")
+    __slots__ = ("_pending", "epoch", "events", "interned", "keys", "matched", "plan", "registered", "struct", "tape")
 
     def __init__(self, events: dict[NodeId, Event], keys: list[NodeKey]) -> None:
         self.events = events
@@ -435,6 +436,9 @@ class Outline:
         # nodes, Params and storages), and the structure it was for: what a lane's backward reuses
         self.plan: BackwardPlan | None = None
         self.struct: Structure | None = None
+        # positions of Param leaves recorded outside ``apply`` (``Session.use``, ``register_parameter_leaf``): a
+        # lane never matches an input there (its backward takes the plan's parameter groups as they are)
+        self.registered: frozenset[NodeId] = frozenset()
         self._pending: tuple[dict[NodeId, Event], tuple[NodeId, ...]] | None = None
 
     @property
@@ -471,6 +475,13 @@ class Outline:
         if self.matched >= n and self.epoch == epoch and len(self.interned) >= n:
             return self.interned[:n]
         return None
+
+
+def registered_outside(events: dict[NodeId, Event], params: Iterable[NodeId]) -> frozenset[NodeId]:
+    """The Param leaves among ``params`` (node ids) that no event of ``events`` appended (recorded outside
+    ``apply``: by ``Session.use`` or ``register_parameter_leaf``)."""
+    uses = {n + j for n, ev in events.items() for j, _ in ev.uses}
+    return frozenset(i for i in params if i not in uses)
 
 
 class Lane:

@@ -52,7 +52,7 @@ from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leav
 from ._lazy import BackwardPlan, LazyGrads, LazyRecording, Structure, materialize
 from ._params import Param, Storage
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
-from ._replay import Event, Lane, Outline, node_key
+from ._replay import Event, Lane, Outline, node_key, registered_outside
 from ._state import StateLog, check_state_cell
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
 from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
@@ -534,6 +534,7 @@ class Session:
         if (
             n >= len(ol.keys)
             or n in ol.events
+            or n in ol.registered  # the outline's leaf here was a Param's (``use``): this input is not
             or ol.keys[n] != (None, (), (), self._leaf_grad(requires_grad, dt), spec)
         ):
             return None
@@ -1131,6 +1132,7 @@ class Session:
                 ol = self._outline = Outline(self._events, [node_key(nd) for nd in t.nodes])
             else:
                 ol.events = self._events
+            ol.registered = registered_outside(self._events, self._params_by_leaf)
             if len(lz.keys) == n:
                 ol.interned, ol.epoch = lz.keys, lz.epoch
         self._events = {}
@@ -1350,6 +1352,8 @@ class Session:
         {1: 'W', 3: 'W_dec'}
         """
         self.check_thread()
+        if self._lane is not None:
+            self._flush()  # a lane registers its Param leaves as it builds their nodes
         return {i: str(getattr(p, "name", None) or "param") for i, p in sorted(self._params_by_leaf.items())}
 
     def leaf_storages(self) -> dict[NodeId, str]:
