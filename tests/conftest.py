@@ -186,3 +186,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             super()._assign_work_unit(node)
 
     return LongFilesFirst(config, log)
+
+
+@pytest.fixture
+def lane_counts(monkeypatch):
+    """Counts of lane backwards taken (the whole outline, values only) and of lanes turned into nodes."""
+    from tapeflow._shell import _replay, _session
+
+    counts = {"backward": 0, "built": 0}
+    lane_backward, build = _session.Session._lane_backward, _replay.Lane.tape
+
+    def counted_backward(self, loss):
+        got = lane_backward(self, loss)
+        counts["backward"] += got is not None
+        return got
+
+    def counted_build(self):
+        counts["built"] += self.built is None
+        return build(self)
+
+    monkeypatch.setattr(_session.Session, "_lane_backward", counted_backward)
+    monkeypatch.setattr(_replay.Lane, "tape", counted_build)
+    return counts

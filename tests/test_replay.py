@@ -368,28 +368,6 @@ def test_an_inference_loop_replays_from_a_forward_only_recording():
 # -- lanes: a replay that builds no nodes until something reads the recording ----------------------------------
 
 
-@pytest.fixture
-def lane_counts(monkeypatch):
-    """Counts of lane backwards taken (the whole outline, values only) and of lanes turned into nodes."""
-    from tapeflow._shell import _replay, _session
-
-    counts = {"backward": 0, "built": 0}
-    lane_backward, build = _session.Session._lane_backward, _replay.Lane.tape
-
-    def counted_backward(self, loss):
-        got = lane_backward(self, loss)
-        counts["backward"] += got is not None
-        return got
-
-    def counted_build(self):
-        counts["built"] += self.built is None
-        return build(self)
-
-    monkeypatch.setattr(_session.Session, "_lane_backward", counted_backward)
-    monkeypatch.setattr(_replay.Lane, "tape", counted_build)
-    return counts
-
-
 def train_on_lanes(build, fresh: bool, read_loss: bool, steps: int = 20):
     """The plain loop, reading nothing mid-step (``read_loss``: the loss after each step); losses and params."""
     params, loss_fn = _build(build)

@@ -150,6 +150,11 @@ class BackwardPlan(NamedTuple):
         """Whether this plan holds for a backward of ``root`` over a recording of ``struct`` (Params by identity)."""
         if seed is not None or root != self.root or wrt != self.wrt or struct != self.struct:
             return False
+        return self.same_params(params, storages)
+
+    def same_params(self, params: Mapping[NodeId, ParameterRecord], storages: Mapping[NodeId, Storage]) -> bool:
+        """Whether the leaves ``params`` and ``storages`` register are the plan's: the very same Params and
+        storages at the same leaves (by identity)."""
         mine, st = self.params, self.storages
         if len(params) != len(mine) or len(storages) != len(st):
             return False

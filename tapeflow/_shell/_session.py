@@ -1132,6 +1132,11 @@ class Session:
                 ol = self._outline = Outline(self._events, [node_key(nd) for nd in t.nodes])
             else:
                 ol.events = self._events
+                plan = ol.plan
+                if plan is not None and not plan.same_params(self._params_by_leaf, self._storage_by_leaf):
+                    # a step with no backward of its own (an evaluation) had other Param leaves than the plan
+                    # a lane's backward would reuse: the next whole replay works its plan out again
+                    ol.plan = ol.struct = None
             ol.registered = registered_outside(self._events, self._params_by_leaf)
             if len(lz.keys) == n:
                 ol.interned, ol.epoch = lz.keys, lz.epoch
