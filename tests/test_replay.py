@@ -90,14 +90,19 @@ def test_replay_equals_normal_lazy_bit_for_bit_over_twenty_steps(build):
         np.testing.assert_array_equal(r_params[k], v, err_msg=str(k))
 
 
-def _loop(body, lazy: bool, steps: int = 8, seed: int = 0):
-    """Run ``body(s, step, params) -> loss`` with Adam on the small MLP; (losses, params, replayed fractions)."""
+def _loop(body, lazy: bool, steps: int = 8, seed: int = 0, fresh: bool = False):
+    """Run ``body(s, step, params) -> loss`` with Adam on the small MLP; (losses, params, replayed fractions).
+
+    ``fresh``: a new session per step (it never replays), the RNG counter carried over."""
     rng = np.random.default_rng(0)
     params = [tfl.Param((rng.normal(size=(6, 5)) / 3).astype(F32), name="w"), tfl.Param(np.zeros(5, F32), name="b")]
     opt = tfl.Optimizer(optax.adam(1e-2), params)
     s = tfl.Session(lazy=lazy, seed=seed)
     losses, fractions = [], []
     for step in range(steps):
+        if fresh:
+            counter, s = s.rng_counter, tfl.Session(lazy=lazy, seed=seed)
+            s.set_rng_state(counter=counter)
         try:
             with s:
                 loss = body(s, step, params)
@@ -107,6 +112,19 @@ def _loop(body, lazy: bool, steps: int = 8, seed: int = 0):
         except tfl.TapeError as e:
             losses.append(str(e))
     return losses, [np.asarray(p.value) for p in params], fractions
+
+
+def _assert_same(got, want) -> None:
+    """Two :func:`_loop` results agree: the same errors at the same steps, losses and params to rounding."""
+    (g_losses, g_params, _), (w_losses, w_params, _) = got, want
+    assert [type(v) for v in g_losses] == [type(v) for v in w_losses]
+    for a, b in zip(g_losses, w_losses):
+        if isinstance(a, str):
+            assert a == b  # the same error, at the same line
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_params, w_params):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 X = np.random.default_rng(1).normal(size=(4, 6)).astype(F32)
@@ -179,17 +197,9 @@ FALLBACKS = [
 
 @pytest.mark.parametrize("body", FALLBACKS, ids=[f.__name__ for f in FALLBACKS])
 def test_every_fallback_gives_the_eager_result(body):
-    e_losses, e_params, _ = _loop(body, lazy=False)
-    l_losses, l_params, fractions = _loop(body, lazy=True)
-    assert [type(v) for v in l_losses] == [type(v) for v in e_losses]
-    for a, b in zip(l_losses, e_losses):
-        if isinstance(a, str):
-            assert a == b  # the same error, at the same line
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(l_params, e_params):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert max(fractions) > 0  # the lazy loop did replay where the steps matched
+    lazy = _loop(body, lazy=True)
+    _assert_same(lazy, _loop(body, lazy=False))
+    assert max(lazy[2]) > 0  # the lazy loop did replay where the steps matched
 
 
 def test_replay_skips_the_op_check_only_where_the_call_matches():
@@ -601,39 +611,12 @@ def test_an_eager_replay_computes_every_value_at_its_line_bit_for_bit(build):
             np.testing.assert_array_equal(a, b, err_msg=f"step {step}, node {i}")
 
 
-def _fresh_eager_loop(body, steps: int = 8):
-    """:func:`_loop` with a new eager session per step (never replayed), the RNG counter carried over."""
-    rng = np.random.default_rng(0)
-    params = [tfl.Param((rng.normal(size=(6, 5)) / 3).astype(F32), name="w"), tfl.Param(np.zeros(5, F32), name="b")]
-    opt = tfl.Optimizer(optax.adam(1e-2), params)
-    losses, counter = [], 0
-    for step in range(steps):
-        s = tfl.Session(lazy=False, seed=0)
-        s.set_rng_state(counter=counter)
-        try:
-            with s:
-                loss = body(s, step, params)
-                opt.step(s.backward(loss))
-                losses.append(float(loss))
-        except tfl.TapeError as e:
-            losses.append(str(e))
-        counter = s.rng_counter
-    return losses, [np.asarray(p.value) for p in params]
-
-
 @pytest.mark.parametrize("body", FALLBACKS, ids=[f.__name__ for f in FALLBACKS])
 def test_every_fallback_of_an_eager_replay_gives_the_normal_eager_result(body):
-    f_losses, f_params = _fresh_eager_loop(body)
-    e_losses, e_params, fractions = _loop(body, lazy=False)
-    assert [type(v) for v in e_losses] == [type(v) for v in f_losses]
-    for a, b in zip(e_losses, f_losses):
-        if isinstance(a, str):
-            assert a == b  # the same error, at the same line
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(e_params, f_params):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert max(fractions) > 0  # the eager loop did replay where the steps matched
+    eager = _loop(body, lazy=False)
+    fresh = _loop(body, lazy=False, fresh=True)
+    _assert_same(eager, fresh)
+    assert max(eager[2]) > 0 and max(fresh[2]) == 0  # the eager loop did replay where the steps matched
 
 
 def test_a_kernel_failing_on_an_eager_replay_raises_as_the_normal_path_and_records_nothing(monkeypatch):

@@ -992,6 +992,11 @@ class Session:
             else:
                 by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
             check = self._nonfinite_check(old, loss.id, seed)
+            if check is not None and check.debug and compiled and program:
+                # an eager session's backward raises at its line under debug_nans, compiled or not: the
+                # gradients are computed now (not fused into the optimizer step) and checked below
+                by_leaf = cast(LazyGrads, by_leaf).resolve()
+                program = False
             if check is not None and check.debug and not program:
                 got = cast(dict[NodeId, Any], by_leaf).values()
                 check.verify([self.node(h).value for h in got] if create_graph else list(got), "backward")
