@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _probes import F32, arr, compare, model
 
 import tapeflow as tfl
 from tapeflow import nn
 
-F32 = np.float32
 RNG = np.random.default_rng(11)
 X = RNG.normal(size=(8, 4)).astype(F32)
 Y = RNG.integers(0, 3, size=8).astype(np.int32)
@@ -31,24 +31,10 @@ STEPS = 6
 # ---------------------------------------------------------------------------------------------- harness
 
 
-def model(tx=None):
-    rng = np.random.default_rng(0)
-    W1 = tfl.Param((rng.normal(size=(4, 5)) / 2).astype(F32), name="W1")
-    b1 = tfl.Param(np.zeros(5, F32), name="b1")
-    W2 = tfl.Param((rng.normal(size=(5, 3)) / 2).astype(F32), name="W2")
-    params = [W1, b1, W2]
-    opt = tfl.Optimizer(tx or optax.adam(1e-2), params)
-    return types.SimpleNamespace(W1=W1, b1=b1, W2=W2, params=params, opt=opt, extra={})
-
-
 def forward(s, m, x=X, act=tfl.tanh):
     h = act(tfl.linear(s.input(x), m.W1, m.b1))
     logits = h @ m.W2
     return h, logits, tfl.cross_entropy(logits, s.input(Y))
-
-
-def arr(v):
-    return np.asarray(v)
 
 
 def run(body, reuse, steps=STEPS, build=model, make=None):
@@ -78,25 +64,6 @@ def describe(e):
     msg = re.sub(r"storage=#\d+", "storage=#N", str(e))
     # a stale handle names generations, which count the session's recordings (a fresh session's start at 0)
     return type(e).__name__, re.sub(r"generation (is )?\d+", r"generation \1N", msg)
-
-
-def compare(a, b, path="log", rtol=1e-6, atol=1e-7):
-    if isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
-        for k, (x, y) in enumerate(zip(a, b)):
-            compare(x, y, f"{path}[{k}]", rtol, atol)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for k in a:
-            compare(a[k], b[k], f"{path}[{k!r}]", rtol, atol)
-    elif isinstance(a, (np.ndarray, jax.Array, np.generic, float)) and not isinstance(a, bool):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{path}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-        if a.dtype.kind in "fc":
-            assert (np.signbit(a) == np.signbit(b)).all() or not (a == 0).any(), f"{path}: sign of zero"
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=path)
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def same(body, tol=(1e-6, 1e-7), **kw):

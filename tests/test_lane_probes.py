@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _probes import F32, arr, compare, model
 
 import tapeflow as tfl
 from tapeflow import nn
 
-F32 = np.float32
 RNG = np.random.default_rng(7)
 X = RNG.normal(size=(8, 4)).astype(F32)
 Y = RNG.integers(0, 3, size=8).astype(np.int32)
@@ -30,24 +30,10 @@ STEPS = 6
 # ---------------------------------------------------------------------------------------------- harness
 
 
-def model(tx=None):
-    rng = np.random.default_rng(0)
-    W1 = tfl.Param((rng.normal(size=(4, 5)) / 2).astype(F32), name="W1")
-    b1 = tfl.Param(np.zeros(5, F32), name="b1")
-    W2 = tfl.Param((rng.normal(size=(5, 3)) / 2).astype(F32), name="W2")
-    params = [W1, b1, W2]
-    opt = tfl.Optimizer(tx or optax.adam(1e-2), params)
-    return types.SimpleNamespace(W1=W1, b1=b1, W2=W2, params=params, opt=opt, extra={})
-
-
 def forward(s, m, x=X):
     h = tfl.tanh(tfl.linear(s.input(x), m.W1, m.b1))
     logits = h @ m.W2
     return h, logits, tfl.cross_entropy(logits, s.input(Y))
-
-
-def arr(v):
-    return np.asarray(v)
 
 
 def run(body, lazy, steps=STEPS, build=model, catch=(Exception,)):
@@ -79,23 +65,6 @@ def describe(e):
     if isinstance(e, tfl.NonFiniteError):
         return "TapeError", msg.split("\n")[0]
     return type(e).__name__, msg
-
-
-def compare(a, b, path="log"):
-    if isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
-        for k, (x, y) in enumerate(zip(a, b)):
-            compare(x, y, f"{path}[{k}]")
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for k in a:
-            compare(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (np.ndarray, jax.Array, np.generic, float)) and not isinstance(a, bool):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, f"{path}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=path)
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.fixture
