@@ -231,7 +231,7 @@ class Session:
         self._state_log = StateLog()  # assign_state's writes in this recording
         self._grad = GradControls()
         self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
-        self._outline: Outline | None = None  # a lazy session's last recording, replayed while it matches
+        self._outline: Outline | None = None  # the last recording (lazy, or eager), replayed while it matches
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
         self._seen: Structure | None = None  # an eager session's last backward's structure
         self._stepped = -1  # the generation an optimizer last stepped from (a backward after that: no reset)
