@@ -430,13 +430,15 @@ def test_tie_at_one_step():
     same(body, build=build)
 
 
-def test_two_optimizers_disjoint_params_same_step():
-    def build():
-        m = model()
-        m.opt = tfl.Optimizer(optax.adam(1e-2), [m.W1, m.b1])
-        m.opt2 = tfl.Optimizer(optax.sgd(0.1), [m.W2])
-        return m
+def two_optimizers():
+    """:func:`model` with two optimizers over disjoint Params: adam over W1 and b1, sgd over W2."""
+    m = model()
+    m.opt = tfl.Optimizer(optax.adam(1e-2), [m.W1, m.b1])
+    m.opt2 = tfl.Optimizer(optax.sgd(0.1), [m.W2])
+    return m
 
+
+def test_two_optimizers_disjoint_params_same_step():
     def body(s, step, m, log):
         _, _, loss = forward(s, m)
         g = s.backward(loss)
@@ -446,16 +448,10 @@ def test_two_optimizers_disjoint_params_same_step():
         log.append(("loss", float(loss)))
         log.append(("opt2", [arr(v) for v in jax.tree_util.tree_leaves(m.opt2.state)]))
 
-    same(body, build=build)
+    same(body, build=two_optimizers)
 
 
 def test_two_optimizers_reverse_order_at_one_step():
-    def build():
-        m = model()
-        m.opt = tfl.Optimizer(optax.adam(1e-2), [m.W1, m.b1])
-        m.opt2 = tfl.Optimizer(optax.sgd(0.1), [m.W2])
-        return m
-
     def body(s, step, m, log):
         _, _, loss = forward(s, m)
         g = s.backward(loss)
@@ -467,7 +463,7 @@ def test_two_optimizers_reverse_order_at_one_step():
             m.opt2.step(g)
         log.append(("loss", float(loss)))
 
-    same(body, build=build)
+    same(body, build=two_optimizers)
 
 
 def test_optimizer_over_subset_of_used_params():
