@@ -283,6 +283,45 @@ def _exp_of(n: int):
     return tfl.record(t, "exp", (x,))
 
 
+def _fwd_shapes() -> list[tuple[int, ...]]:
+    return [key[2][0][0] for key in R._FWD_CACHE]
+
+
+@pytest.mark.parametrize("path", ["record", "session"])
+def test_hits_mark_recency_only_once_the_cache_is_crowded(path):
+    """A cache at most half full evicts nothing, so a hit leaves the order alone; past half, hits mark
+    exact recency, and eviction takes the entries unused since then first (KernelCache's rule, on both
+    the pure ``record`` path and the session's ``check_op`` fast path)."""
+
+    def exp_of(n: int) -> None:
+        if path == "record":
+            assert _exp_of(n)[1].is_ok
+        else:
+            s = tfl.Session(lazy=False)
+            tfl.exp(s.input(jnp.arange(float(n))))
+
+    tfl.clear_kernel_caches()
+    old = tfl.set_kernel_cache_size(6)
+    try:
+        for n in (1, 2, 3):
+            exp_of(n)
+        exp_of(1)  # a hit at 3 of 6: not crowded, nothing moves
+        assert _fwd_shapes() == [(1,), (2,), (3,)] and not R._FWD_CACHE.crowded
+        exp_of(4)  # 4 of 6: crowded from now on
+        assert R._FWD_CACHE.crowded
+        exp_of(2)  # a hit that marks
+        assert _fwd_shapes() == [(1,), (3,), (4,), (2,)]
+        for n in (5, 6, 7, 8):
+            exp_of(n)
+        assert _fwd_shapes() == [(4,), (2,), (5,), (6,), (7,), (8,)]  # (1,) and (3,) went first
+        assert tfl.kernel_cache_info()["evictions"] >= 2
+        tfl.clear_kernel_caches()
+        assert not R._FWD_CACHE.crowded
+    finally:
+        tfl.set_kernel_cache_size(old)
+        tfl.clear_kernel_caches()
+
+
 def test_eviction_is_least_recently_used_counted_and_recompiles_correctly():
     tfl.clear_kernel_caches()
     assert tfl.set_kernel_cache_size(3) == _kernels.DEFAULT_KERNEL_CACHE_SIZE

@@ -24,19 +24,32 @@ _CACHES: dict[str, KernelCache] = {}
 
 class KernelCache(OrderedDict[Hashable, Any]):
     """An LRU cache of kernels, counted as ``name`` by :func:`kernel_cache_info`; ``hit`` is a ``get``
-    that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`."""
+    that marks the entry most recently used, ``put`` evicts beyond :func:`set_kernel_cache_size`.
 
-    __slots__ = ("evictions", "opaque")
+    Marking costs an ``OrderedDict`` move on every hit, and a cache far from its bound can evict
+    nothing, so ``hit`` marks only while the cache is ``crowded`` (more than half its bound full). The
+    order is exact LRU among the entries used since the cache became crowded; entries unused since then
+    are older than all of those and keep their insertion order, so they go first. A caller's own fast
+    path may ``get`` and call ``hit`` only when ``crowded`` (``check_op`` does).
+
+    >>> c = KernelCache("doctest")
+    >>> c.put("a", 1); c.hit("a"), c.crowded
+    (1, False)
+    >>> _ = _CACHES.pop("doctest")
+    """
+
+    __slots__ = ("crowded", "evictions", "opaque")
 
     def __init__(self, name: str, *, opaque: bool = False) -> None:
         super().__init__()
         self.evictions = 0
+        self.crowded = False  # more than half of the bound full: hits mark recency (see the class doc)
         self.opaque = opaque  # keys do not name their ops (interned structures): dropped whole by drop_kernels_of
         _CACHES[name] = self
 
     def hit(self, key: Hashable) -> Any:
         v = self.get(key)
-        if v is not None:
+        if v is not None and self.crowded:
             try:  # noqa: SIM105 (contextlib.suppress would cost a context manager per hit)
                 self.move_to_end(key)
             except KeyError:  # evicted by another thread meanwhile: still a valid kernel
@@ -48,8 +61,10 @@ class KernelCache(OrderedDict[Hashable, Any]):
         self.trim()
 
     def trim(self) -> None:
+        """Evict the least recently used entries beyond the bound, and note whether the cache is crowded."""
         while len(self) > _max_size and self.popitem(last=False):
             self.evictions += 1
+        self.crowded = len(self) > _max_size >> 1
 
 
 def kernel_cache_info() -> dict[str, int]:
@@ -95,6 +110,7 @@ def clear_kernel_caches() -> None:
     for c in _CACHES.values():
         c.clear()
         c.evictions = 0
+        c.crowded = False
 
 
 def drop_kernels_of(names: Collection[str]) -> None:

@@ -492,7 +492,7 @@ class FwdEntry:
 
 
 _FWD_CACHE = KernelCache("fwd")
-fwd_cache_hit = _FWD_CACHE.hit  # a checked forward by its full key, marked most recently used (check_op's fast path)
+FWD_KERNELS = _FWD_CACHE  # checked forwards by their full key: check_op's fast path gets, and marks while crowded
 _VJP_CACHE = KernelCache("vjp")
 _JIT_FWD = KernelCache("fwd_jit")  # one jitted forward per (op, attrs), shared by its shapes
 

@@ -686,10 +686,13 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
         # fast path: attributes given in normalized form hit the cache as they are
         # (the key is typed: True, 1 and 1.0 never find each other's entry)
         try:
-            hit = _fwd_hit((op, _attr_key(attrs.items()), specs))
+            key: tuple[object, ...] = (op, _attr_key(attrs.items()), specs)
+            hit = _fwd_get(key)
         except TypeError:  # unhashable: needs normalizing
             hit = None
         if hit is not None:
+            if _FWD.crowded:
+                _FWD.hit(key)
             return hit
         akey = R.normalize_attrs(attrs)
         try:
@@ -697,8 +700,11 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
         except TypeError as e:
             return f"{op}: attribute values must be hashable constants ({e}) (operands: {R.describe(specs)})"
     else:
-        hit = _fwd_hit((op, (), specs))
+        key = (op, (), specs)
+        hit = _fwd_get(key)
         if hit is not None and not hit.runtime:
+            if _FWD.crowded:
+                _FWD.hit(key)
             return hit
         akey = ()
     entry = R.get_fwd(op, akey, specs)
@@ -707,7 +713,9 @@ def check_op(op: str, attrs: dict[str, AttrValue], specs: tuple[R.Spec, ...]) ->
     return entry
 
 
-_fwd_hit = R.fwd_cache_hit
+_FWD = R.FWD_KERNELS
+_fwd_hit = _FWD.hit
+_fwd_get = _FWD.get  # check_op's plain dict get: it marks recency (KernelCache.hit) only while the cache is crowded
 _attr_key = R.attr_key
 _N_OKS = 1 << 14
 _OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shared
