@@ -52,6 +52,22 @@ class TestContextManager:
         assert tfl.current_session() is None
         assert s.generation == 1 and len(s.tape) == 0
 
+    def test_as_current_nests_keeps_the_recording_and_restores_on_exception(self):
+        a, b = tfl.Session(), tfl.Session()
+        with a.as_current() as got:
+            assert got is a and tfl.current_session() is a
+            x = tfl.relu(tfl.Param(jnp.ones(2)))
+            with pytest.raises(RuntimeError, match="boom"), b.as_current():
+                assert tfl.current_session() is b
+                raise RuntimeError("boom")
+            assert tfl.current_session() is a
+        assert tfl.current_session() is None
+        assert a.generation == 0 and x.value.tolist() == [1.0, 1.0]  # no reset: the handle is live
+        block = a.as_current()
+        with block:
+            assert tfl.current_session() is a
+        assert tfl.current_session() is None
+
     def test_ops_without_tensor_operands_use_current_session(self):
         p = tfl.Param(jnp.arange(3.0))
         with tfl.Session() as s:

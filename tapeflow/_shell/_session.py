@@ -28,6 +28,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal, Self, cast
 
 import jax
@@ -117,6 +118,23 @@ def _note_step(ref: weakref.ref[Session], generation: int) -> None:
     s = ref()
     if s is not None:
         s._stepped = max(s._stepped, generation)
+
+
+class _Current:
+    """:meth:`Session.as_current`'s block: the session is current inside it (a class, not a generator: it wraps
+    every step of a loop)."""
+
+    __slots__ = ("session", "token")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def __enter__(self) -> Session:
+        self.token = push_current(self.session)
+        return self.session
+
+    def __exit__(self, *exc: object) -> None:
+        pop_current(self.token)
 
 
 class Session:
@@ -400,8 +418,7 @@ class Session:
         finally:
             pop_current(self._tokens.pop())
 
-    @contextlib.contextmanager
-    def as_current(self) -> Iterator[Session]:
+    def as_current(self) -> AbstractContextManager[Session]:
         """Make this the current session for a block, without resetting it afterwards.
 
         >>> import tapeflow as tfl
@@ -410,11 +427,7 @@ class Session:
         ...     tfl.current_session() is s
         True
         """
-        token = push_current(self)
-        try:
-            yield self
-        finally:
-            pop_current(token)
+        return _Current(self)
 
     # -- handles ---------------------------------------------------------------
     def _handle(self, node_id: NodeId) -> Tensor:
@@ -471,6 +484,10 @@ class Session:
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
         self.check_thread()
+        self._install(t)
+
+    def _install(self, t: Tape) -> None:
+        """:meth:`_commit` after its thread check (``record_op`` checked the thread at its first line)."""
         if self._mode == "lazy":
             lz = self._lazy
             n = len(t)
@@ -489,7 +506,7 @@ class Session:
                 ol.follow(t)
         if self._sites is not None:
             self._sites.note(len(self._tape), len(t))
-        self._tape = t
+        self._tape_now = t  # the lane (if any) was flushed when t was built from self._tape
         note_recorded(self._ref)
 
     def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
@@ -499,14 +516,16 @@ class Session:
 
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
-        if type(x) is concrete_array_type() and cast(Array, x).dtype.kind != "c":  # a jax.Array: leaf() places it
-            if self._lane is not None:
-                dev = self._tape_now.device
-                if dev is None or device_of(cast(Array, x)) is dev:  # placed already: the leaf holds it as it is
-                    got = self._lane_leaf(cast(Array, x), np.dtype(cast(Array, x).dtype), requires_grad)
-                    if got is not None:
-                        return got
-            return self._commit_leaf(cast(Array, x), requires_grad)
+        if type(x) is concrete_array_type():  # a jax.Array: leaf() places it
+            dt = cast(Array, x).dtype
+            if dt.kind != "c":
+                if self._lane is not None:
+                    dev = self._tape_now.device
+                    if dev is None or device_of(x) is dev:  # placed already: the leaf holds it as it is
+                        got = self._lane_leaf(cast(Array, x), dt, requires_grad)
+                        if got is not None:
+                            return got
+                return self._commit_leaf(cast(Array, x), requires_grad)
         if isinstance(x, Tensor):
             x = self.node(x).value
         v = self._values.prepare(x, host=self._mode == "lazy")
@@ -812,7 +831,7 @@ class Session:
         t, r = append_op(t, opname, entry, tuple(ids), None, grad_on, lazy)
         if isinstance(r, Err):
             raise TapeError(r.error)
-        self._commit(t)
+        self._install(t)
         for i, p in new_params:
             self._register_param_leaf(i, p, p.storage)
         if opname not in self._backend_seen:
