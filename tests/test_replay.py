@@ -17,6 +17,7 @@ import pytest
 from test_lazy import char_lm, mlp, programs, tied_autoencoder
 
 import tapeflow as tfl
+import tapeflow._shell._session
 from tapeflow import nn
 from tapeflow._core._tape import PENDING
 
@@ -548,6 +549,42 @@ def test_host_ids_of_a_replayed_call_are_checked_and_copied_as_recorded(lane):
         y = tfl.sum(tfl.take(table, mine, axis=0))
         mine[:] = 1  # the call copied the ids: a later edit changes nothing recorded
         assert float(y) == float(np.sum(np.arange(12).reshape(6, 2)[[0, 5, 2]]))
+
+
+@pytest.mark.parametrize("mode", ["lane", "node_by_node", "eager"])
+def test_a_replayed_host_operand_with_the_same_values_reuses_its_leaf_value(mode, monkeypatch):
+    """Positions given as ``np.arange(n)`` every step are converted, checked and placed once; an edit in place,
+    new values of the same shape (out of range included) and an array past the memo's size convert again."""
+    table = tfl.Param(np.arange(12, dtype=F32).reshape(6, 2), name="table")
+    s = tfl.Session(lazy=mode != "eager")
+    expected = np.arange(12, dtype=F32).reshape(6, 2)
+
+    def step(ids):
+        with s:
+            if mode == "node_by_node":
+                s.recording  # builds the (empty) lane: the calls replay node by node
+            y = tfl.take(table, ids, axis=0)
+            total = float(tfl.sum(y))
+            rec = s.recording
+            return total, rec[rec[y.id].parents[1]].value  # the ids' leaf
+
+    ids = np.array([0, 5, 2], np.int32)
+    values = [step(np.array([0, 5, 2], np.int32)) for _ in range(4)]  # a new array of the same values each step
+    assert all(t == float(expected[[0, 5, 2]].sum()) for t, _ in values)
+    assert values[3][1] is values[2][1]  # replayed: the leaf value made by the last call
+    total, v = step(ids)
+    assert v is values[3][1]
+    ids[1] = 4  # edited in place: converted again
+    total, v = step(ids)
+    assert total == float(expected[[0, 4, 2]].sum()) and v is not values[3][1]
+    with pytest.raises(tfl.TapeError, match="holds 6, out of range"):
+        step(np.array([0, 6, 2], np.int32))
+    assert step(np.array([0, 4, 2], np.int32))[0] == float(expected[[0, 4, 2]].sum())
+    monkeypatch.setattr(tapeflow._shell._session, "_HOST_MEMO_SIZE", 2)  # past the memo's size: never reused
+    for _ in range(2):
+        a = step(np.array([1, 1, 1], np.int32))
+    b = step(np.array([1, 1, 1], np.int32))
+    assert a[0] == b[0] == float(expected[[1, 1, 1]].sum()) and a[1] is not b[1]
 
 
 def test_two_sessions_on_lanes_interleaved_op_by_op_equal_each_alone(lane_counts):

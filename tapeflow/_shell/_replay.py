@@ -113,8 +113,8 @@ class Event:
     (values left out)."""
 
     __slots__ = (
-        "_fast", "attrs", "checked", "kernel", "kinds", "lane", "opdef", "opname", "out", "plan", "refs", "storages",
-        "tracked", "trainable", "uses",
+        "_fast", "attrs", "checked", "hosts", "kernel", "kinds", "lane", "opdef", "opname", "out", "plan", "refs",
+        "storages", "tracked", "trainable", "uses",
     )  # fmt: skip
 
     def __init__(
@@ -144,6 +144,9 @@ class Event:
         self.plan = plan
         self.checked = checked  # the operand specs and normalized attributes the op check saw (for host ids)
         self.kernel = kernel  # the op's compiled forward for these operand specs (an eager replay runs it)
+        # per NumPy operand (HOST): the bytes of its last values, the leaf value they made and its device
+        # (Session._host_leaf reuses it for the same bytes)
+        self.hosts: dict[int, tuple[bytes, Array, jax.Device | None]] = {}
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
         # ``(offset, Param)`` of each Param leaf among the appended nodes

@@ -103,6 +103,9 @@ def check_host_indices(
             )
 
 
+_HOST_MEMO_SIZE = 1 << 16  # elements: a replayed NumPy operand at most this large is compared with its last one
+
+
 def _checks_device_indices(opname: str) -> bool:
     """Whether ``debug_nans`` reads op ``opname``'s device positions (ops that clamp an out-of-range one)."""
     d = R.REGISTRY.get(opname)
@@ -866,13 +869,27 @@ class Session:
 
     def _host_leaf(self, ev: Event, k: int, o: np.ndarray) -> Array:
         """Operand ``k`` of a replayed call of ``ev``, a NumPy array, as the normal path makes its leaf's value:
-        converted and placed as a constant, a position operand's ids checked against their range first."""
+        converted and placed as a constant, a position operand's ids checked against their range first.
+
+        The same values as at the event's last call (``np.arange(n)`` positions, a fixed index table: compared
+        byte for byte, the event having matched shape and dtype) give the value made then, which was converted,
+        checked against the same operand specs and placed the same way; the array itself is never kept, only
+        a copy of its bytes, so an array edited in place is converted again."""
+        dev = self._tape_now.device
+        data = o.tobytes() if o.size <= _HOST_MEMO_SIZE else None
+        if data is not None:
+            last = ev.hosts.get(k)
+            if last is not None and last[0] == data and last[2] is dev:
+                return last[1]
         v = self._values.constant(o, None, ev.opname)
         d = ev.opdef
         if d.index_bounds is not None:
             specs, attrs = ev.checked
             check_host_indices(d, specs, attrs, {k: o})
-        return cast(Array, place(v, self._tape_now.device))
+        placed = cast(Array, place(v, dev))
+        if data is not None and type(placed) is concrete_array_type():
+            ev.hosts[k] = (data, placed, dev)
+        return placed
 
     def _audit(self, opname: str, dtype: np.dtype) -> None:
         self._backend_seen.add(opname)
