@@ -580,6 +580,9 @@ def test_a_replayed_host_operand_with_the_same_values_reuses_its_leaf_value(mode
     with pytest.raises(tfl.TapeError, match="holds 6, out of range"):
         step(np.array([0, 6, 2], np.int32))
     assert step(np.array([0, 4, 2], np.int32))[0] == float(expected[[0, 4, 2]].sum())
+    _, v = step(np.array([0, 4, 2], np.int32))
+    v.delete()  # a value someone deleted is never handed out again
+    assert step(np.array([0, 4, 2], np.int32))[0] == float(expected[[0, 4, 2]].sum())
     monkeypatch.setattr(tapeflow._shell._session, "_HOST_MEMO_SIZE", 2)  # past the memo's size: never reused
     for _ in range(2):
         a = step(np.array([1, 1, 1], np.int32))

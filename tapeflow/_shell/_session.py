@@ -879,7 +879,7 @@ class Session:
         data = o.tobytes() if o.size <= _HOST_MEMO_SIZE else None
         if data is not None:
             last = ev.hosts.get(k)
-            if last is not None and last[0] == data and last[2] is dev:
+            if last is not None and last[0] == data and last[2] is dev and not last[1].is_deleted():
                 return last[1]
         v = self._values.constant(o, None, ev.opname)
         d = ev.opdef
