@@ -509,7 +509,7 @@ class Session:
                 ol.follow(t)
         if self._sites is not None:
             self._sites.note(len(self._tape), len(t))
-        self._tape_now = t  # the lane (if any) was flushed when t was built from self._tape
+        self._tape_now = t  # (what the _tape setter does, without the property call)
         note_recorded(self._ref)
 
     def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
@@ -1140,7 +1140,9 @@ class Session:
         state. The session lets go of every value it recorded; JAX frees each
         buffer as soon as nothing else refers to it, so a value the user still
         holds (``h.value``, a ``Tape`` kept or forked, another session's leaf)
-        stays valid, and nothing else outlives the reset.
+        stays valid, and nothing else outlives the reset but the constants the
+        session reuses: Python numbers' values, and the last value each NumPy
+        operand of its outline's calls made (see ``_host_leaf``).
         """
         self.check_thread()
         lane = self._lane
