@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import tapeflow as tfl
-from tapeflow._train._tx_key import structural_key
+from tapeflow._core._fnkey import structural_key
 
 F32 = jnp.float32
 X = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), F32)
@@ -102,6 +102,86 @@ def test_structural_key_of_a_recursive_closure_terminates():
         )
 
     assert structural_key(make()) == structural_key(make())
+
+
+RATE = 0.1  # read by rate_from_global: a module global a schedule reads
+
+
+class RateConfig:
+    rate = 0.1  # read by rate_from_class: a class attribute a schedule reads
+
+
+def rate_from_global(count):
+    return RATE
+
+
+def rate_from_class(count):
+    return RateConfig.rate
+
+
+def _step_with(sched, path):
+    """One SGD step of sum(w) from w = 1 through ``path`` with a new Param and a new Optimizer: w's new value."""
+    w = tfl.Param(jnp.ones(3, F32))
+    opt = tfl.Optimizer(optax.sgd(sched), [w])
+    if path == "train_step":
+        tfl.train_step(lambda s: tfl.sum(w * 1.0), opt)()
+    else:
+        with tfl.Session(lazy=path == "lazy") as s:
+            opt.step(s.backward(tfl.sum(w * 1.0)))
+    return float(w.value[0])
+
+
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
+def test_a_new_optimizer_reads_the_current_value_of_a_global_its_schedule_reads(path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "RATE", 0.1)
+    monkeypatch.setattr(RateConfig, "rate", 0.1)
+    for sched, change in [
+        (rate_from_global, lambda v: monkeypatch.setattr(sys.modules[__name__], "RATE", v)),
+        (rate_from_class, lambda v: monkeypatch.setattr(RateConfig, "rate", v)),
+    ]:
+        assert _step_with(sched, path) == pytest.approx(0.9)
+        change(0.5)
+        assert _step_with(sched, path) == pytest.approx(0.5)  # a compiled update made with 0.1 is not reused
+        change(0.1)
+        assert _step_with(sched, path) == pytest.approx(0.9)
+
+
+def test_structural_key_reads_globals_class_attributes_and_nested_functions(monkeypatch):
+    key = lambda: structural_key(optax.sgd(rate_from_global))  # noqa: E731
+    first = key()
+    assert key() == first
+    monkeypatch.setattr(sys.modules[__name__], "RATE", 0.25)
+    assert key() != first
+
+    def nested(count):
+        return rate_from_class(count) * 2  # a global function it calls reads a class attribute
+
+    first = structural_key(optax.sgd(nested))
+    monkeypatch.setattr(RateConfig, "rate", 0.3)
+    assert structural_key(optax.sgd(nested)) != first
+
+
+def test_a_lifted_function_that_reads_a_changed_global_is_a_different_function():
+    from tapeflow._core._fnkey import same_function
+
+    def scaled(x):
+        return x * RATE
+
+    ns = {"RATE": 2.0}
+    again = type(scaled)(scaled.__code__, ns, "scaled")  # the same cell, run again in its module
+    assert same_function(scaled, scaled)
+    assert same_function(type(scaled)(scaled.__code__, dict(ns), "scaled"), again)
+    other = dict(ns, RATE=3.0)
+    assert not same_function(type(scaled)(scaled.__code__, other, "scaled"), again)
+    from tapeflow._core import _registry as R
+
+    tfl.lift(again, name="test_compile_counts_global")
+    try:
+        tfl.lift(again, name="test_compile_counts_global")  # the very same function: registered again
+        with pytest.raises(tfl.TapeError, match="different function"):
+            tfl.lift(type(scaled)(scaled.__code__, other, "scaled"), name="test_compile_counts_global")
+    finally:
+        R.unregister("test_compile_counts_global")
 
 
 # --------------------------------------------------------------------------- compile once per structure

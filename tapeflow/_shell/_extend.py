@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import _registry as R
+from .._core._fnkey import same_function
 from .._core._result import TapeError
 from .._core._typing import Array, Attrs, AttrValue, PyTree
 from ._params import Param
@@ -59,55 +60,14 @@ _OUTPUT = "output"  # the attribute that picks one output leaf of a lifted funct
 # --------------------------------------------------------------------------- names
 
 
-def _same_value(a: object, b: object, depth: int) -> bool:
-    if a is b:
-        return True
-    if inspect.isfunction(a) or hasattr(a, "__wrapped__"):
-        return _same_function(a, b, depth + 1)
-    try:
-        return type(a) is type(b) and not hasattr(a, "shape") and bool(a == b)
-    except Exception:
-        return False
-
-
-def _same_function(a: object, b: object, depth: int = 0) -> bool:
-    """Whether ``b`` is ``a``, or the same definition run again (a re-run notebook cell).
-
-    Plain functions compare module, qualified name, code, defaults and closure;
-    wrappers (``jax.jit``, ``jax.custom_vjp``, ...) compare what they wrap and
-    their ``fwd``/``bwd``/``jvp`` rules.
-    """
-    if a is b:
-        return True
-    if depth > 4 or type(a) is not type(b):
-        return False
-    if inspect.isfunction(a):
-        assert inspect.isfunction(b)
-        if (a.__module__, a.__qualname__, a.__code__) != (b.__module__, b.__qualname__, b.__code__):
-            return False
-        pairs = [
-            (a.__defaults__ or (), b.__defaults__ or ()),
-            (tuple((a.__kwdefaults__ or {}).items()), tuple((b.__kwdefaults__ or {}).items())),
-            (tuple(c.cell_contents for c in a.__closure__ or ()), tuple(c.cell_contents for c in b.__closure__ or ())),
-        ]
-        try:
-            return all(len(x) == len(y) and all(_same_value(p, q, depth) for p, q in zip(x, y)) for x, y in pairs)
-        except ValueError:  # an empty closure cell
-            return False
-    wa, wb = getattr(a, "__wrapped__", None), getattr(b, "__wrapped__", None)
-    if wa is None or wb is None or not _same_function(wa, wb, depth + 1):
-        return False
-    rules = ("fwd", "bwd", "jvp")
-    return all(_same_value(getattr(a, r, None), getattr(b, r, None), depth) for r in rules)
-
-
 def _register(name: object, source: Callable[..., object], replace: bool, make: Callable[[str], R.OpDef]) -> R.OpDef:
     """Register op ``name`` with ``make(name)``, in place of an earlier user registration if allowed.
 
     Built-in names are refused; a taken user name is refused unless ``source`` is
-    the function registered there (or the same definition run again) or
-    ``replace`` is true. Then the old op and its kernels go, and if ``make``
-    raises, the old op is put back (:func:`~tapeflow._core._registry.restore`).
+    the function registered there (or computes the same function now:
+    :func:`~tapeflow._core._fnkey.same_function`, the rule that also decides which
+    optimizers share a compiled update) or ``replace`` is true. Then the old op
+    and its kernels go, and if ``make`` raises, the old op is put back (:func:`~tapeflow._core._registry.restore`).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"op name must be a non-empty string, got {name!r}")
@@ -115,7 +75,7 @@ def _register(name: object, source: Callable[..., object], replace: bool, make: 
     if old is not None:
         if not old.user:
             raise TapeError(f"{name!r} is a built-in op; pick another name for your op")
-        if not replace and not _same_function(old.source, source):
+        if not replace and not same_function(old.source, source):
             raise TapeError(
                 f"op {name!r} is already registered with a different function ({old.source!r}); pass replace=True "
                 "to redefine it, or choose another name"

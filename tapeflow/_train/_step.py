@@ -45,12 +45,12 @@ import optax
 
 from .._core import _compile_log
 from .._core import _registry as R
+from .._core._fnkey import structural_key
 from .._core._result import TapeError
 from .._core._typing import Array, OptState, PyTree
 from .._shell import _grads
 from .._shell._commit import commit, traced_write
 from .._shell._params import Storage
-from ._tx_key import structural_key
 
 __all__ = [
     "STEP",
@@ -86,7 +86,7 @@ class SlotRule:
     slot ``k`` in error messages.
 
     Two rules are equal when their transformations have the same
-    :func:`~tapeflow._train._tx_key.structural_key` and their slots the same specs
+    :func:`~tapeflow._core._fnkey.structural_key` and their slots the same specs
     and keys: they trace to the same update, so every optimizer of one structure
     (a new ``Optimizer`` over a restored model, a re-run notebook cell) shares the
     compiled step programs of the first. ``slot_indices`` and ``describe`` run
