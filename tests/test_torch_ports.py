@@ -95,13 +95,8 @@ def _numpy(t) -> np.ndarray:
     return t.detach().numpy().copy()
 
 
-@pytest.fixture(scope="module", params=list(CLASS_OF))
-def reference(request: pytest.FixtureRequest) -> Reference:
-    kind = request.param
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    tmodel = getattr(ports.torch_models(), CLASS_OF[kind])()
-    untrained = copy.deepcopy(tmodel)  # deepcopy keeps the LSTM model's tie
+def _torch_run(tmodel, kind: str) -> Run:
+    """Three AdamW steps of the PyTorch model in train mode, one batch each."""
     tmodel.train()
     opt = torch.optim.AdamW(tmodel.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     run = Run()
@@ -115,8 +110,18 @@ def reference(request: pytest.FixtureRequest) -> Reference:
         run.grads.append({n: _numpy(p.grad) for n, p in tmodel.named_parameters()})
         opt.step()
     run.after = {k: _numpy(v) for k, v in tmodel.state_dict().items()}
+    return run
+
+
+@pytest.fixture(scope="module", params=list(CLASS_OF))
+def reference(request: pytest.FixtureRequest) -> Reference:
+    kind = request.param
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tmodel = getattr(ports.torch_models(), CLASS_OF[kind])()
+    untrained = copy.deepcopy(tmodel)  # deepcopy keeps the LSTM model's tie
     names = [(n, tuple(p.shape)) for n, p in tmodel.named_parameters()]
-    return Reference(kind, untrained, names, run)
+    return Reference(kind, untrained, names, _torch_run(tmodel, kind))
 
 
 # --------------------------------------------------------------------------- the tapeflow runs
@@ -143,7 +148,7 @@ def _port(ref: Reference):
 def _tapeflow_run(model, kind: str, path: str) -> Run:
     tx = optax.chain(_keep_gradients(), optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY))
     opt = tfl.Optimizer(tx, model)
-    named = model.named_parameters()
+    named = [(n, p) for n, p in model.named_parameters() if p.trainable]  # PyTorch's names: checked apart
     run = Run()
 
     if path == "train_step":
