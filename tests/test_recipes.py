@@ -136,6 +136,25 @@ def test_microbatches_equal_the_full_batch_step():
         _mlp_step(0)
 
 
+def test_microbatches_stack_python_numbers_in_aux_like_every_leaf():
+    y = jnp.arange(16) % 3
+    for k in (1, 2, 4):
+        m = tfl.nn.MLP([6, 16, 3], key=jax.random.key(0), dtype=F64)
+        opt = tfl.Optimizer(optax.adam(1e-2), m)
+
+        def loss_fn(s, x, y):
+            loss = tfl.cross_entropy(m(x), y)
+            return loss, {"loss": loss, "scale": 0.5, "count": 3, "none": None}
+
+        step = tfl.train_step(loss_fn, opt, microbatches=k, has_aux=True)
+        _, aux = step(X, y)
+        want = () if k == 1 else (k,)
+        assert np.shape(aux["loss"]) == want and np.shape(aux["scale"]) == want and np.shape(aux["count"]) == want
+        np.testing.assert_array_equal(np.asarray(aux["scale"]), np.full(want, 0.5))
+        np.testing.assert_array_equal(np.asarray(aux["count"]), np.full(want, 3))
+        assert aux["none"] is None
+
+
 def test_microbatches_hold_one_part_of_the_activations():
     """Peak live bytes of the program (XLA's temporaries), k=1 vs k=8, same total batch, measured here."""
     wide = tfl.nn.MLP([64, 256, 256, 10], key=jax.random.key(0))  # activations (8192 rows) outweigh the weights

@@ -562,7 +562,9 @@ class TrainStep:
         means = iter([g / jnp.asarray(k, g.dtype) for g in gsum])
         parts = [(next(means),) if u else None for u in used]
         if aux is not None:
-            aux = jax.tree_util.tree_map(lambda first, rest: jnp.concatenate([first[None], rest]), aux, aux_rest)
+            aux = jax.tree_util.tree_map(
+                lambda first, rest: jnp.concatenate([jnp.asarray(first)[None], rest]), aux, aux_rest
+            )
         n = jnp.asarray(k, lsum.dtype)
         return parts, dict(zip(cells, cell_values)), lsum / n, None if csum is None else csum / n, aux
 
