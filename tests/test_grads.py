@@ -324,6 +324,43 @@ def test_reading_a_consumed_gradient_says_it_was_consumed():
         assert g[v].shape == (2,)
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_whole_grads_reads_after_a_shared_step_say_a_gradient_was_consumed(lazy):
+    """A Grads shared by two optimizers: after the first step nothing that reads every gradient is silently partial."""
+    import optax
+
+    from tapeflow._shell._grads import ConsumedGradientError
+
+    w = tfl.Param(jnp.array([1.0, 2.0]), name="w")
+    v = tfl.Param(jnp.array([3.0, 4.0, 5.0]), name="v")
+    opt_w, opt_v = tfl.Optimizer(optax.sgd(0.1), [w]), tfl.Optimizer(optax.sgd(0.1), [v])
+    with tfl.Session(lazy=lazy) as s:
+        g = s.backward((w * w).sum() + (v * v).sum())
+        full = float(g.global_norm())
+        assert full == pytest.approx(float(np.linalg.norm([2.0, 4.0, 6.0, 8.0, 10.0])))
+        opt_w.step(g)
+        reads = {
+            "Grads.global_norm()": g.global_norm,
+            "Grads * number": lambda: g * 0.5,
+            "Grads * number ": lambda: 0.5 * g,
+            "Grads / number": lambda: g / 2,
+            "Grads + Grads": lambda: g + g,
+            "sum(grads)": lambda: sum([g]),
+            "Grads.params()": g.params,
+            "clip_grad_norm": lambda: tfl.clip_grad_norm(g, 1.0),
+        }
+        for what, read in reads.items():
+            with pytest.raises(ConsumedGradientError, match="Param 'w' was consumed") as e:
+                read()
+            assert isinstance(e.value, TapeError) and isinstance(e.value, KeyError), what
+            assert "before the first optimizer steps" in str(e.value), what
+        with pytest.raises(KeyError, match="consumed"):
+            g[w]
+        want = np.asarray(v.value) - 0.1 * 2 * np.asarray(v.value)
+        opt_v.step(g)  # the other optimizer still steps from its own entries
+        np.testing.assert_allclose(np.asarray(v.value), want)
+
+
 def test_step_and_release_never_delete_an_array_the_user_kept():
     """Issue 10, item 6: opt.step releases only what it consumed; release drops, never deletes, kept arrays."""
     import optax

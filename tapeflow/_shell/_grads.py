@@ -35,7 +35,14 @@ from ._debug import NonFiniteCheck
 from ._params import Param, Storage, canonical_indices
 from ._tensor import Tensor
 
-__all__ = ["Grads", "ParameterGroup", "clip_grad_norm", "group_parameter_leaves", "sum_in_leaf_order"]
+__all__ = [
+    "ConsumedGradientError",
+    "Grads",
+    "ParameterGroup",
+    "clip_grad_norm",
+    "group_parameter_leaves",
+    "sum_in_leaf_order",
+]
 
 ParameterRecord: TypeAlias = object
 """What a session registered for a parameter leaf: a :class:`~tapeflow.Param`, or any object for advanced registrations."""
@@ -252,10 +259,7 @@ class Grads(Mapping[GradKey, Array]):
             g = self.group_of(key)
             val = None if g is None else self.group_gradient(g)
             if val is None and g is not None and g.id in self._consumed:
-                raise KeyError(
-                    f"the gradient of {key!r} was consumed (and freed) by an Optimizer.step; "
-                    "read grads[param] before the step if you need it"
-                )
+                raise ConsumedGradientError(g.parameter, "grads[param]")
             if val is None:
                 raise KeyError(
                     f"{key!r} was not used as a trainable parameter in this recording, so it has no gradient; "
@@ -287,6 +291,7 @@ class Grads(Mapping[GradKey, Array]):
 
     def params(self) -> list[tuple[ParameterRecord, Array]]:
         """``(parameter, gradient)`` for each group, in recording order."""
+        self._check_whole("Grads.params()")
         out = []
         for g in self.groups:
             v = self.group_gradient(g)
@@ -342,8 +347,15 @@ class Grads(Mapping[GradKey, Array]):
         out.state_logs = tuple({id(log): log for log in state_logs}.values())  # each recording's once, in order
         return out
 
-    def _entries(self) -> list[tuple[ParameterRecord, Storage, Array]]:
+    def _check_whole(self, what: str) -> None:
+        """Raise :class:`ConsumedGradientError` if an optimizer step consumed any group: ``what`` would see only the rest."""
         self._check_live()
+        if self._consumed:
+            first = next(g for g in self.groups if g.id in self._consumed)
+            raise ConsumedGradientError(first.parameter, what)
+
+    def _entries(self, what: str) -> list[tuple[ParameterRecord, Storage, Array]]:
+        self._check_whole(what)
         out = []
         for g in self.groups:
             if g.storage is not None:
@@ -356,7 +368,7 @@ class Grads(Mapping[GradKey, Array]):
         if not isinstance(other, Grads):
             return NotImplemented
         merged: dict[int, tuple[ParameterRecord, Storage, Array]] = {}
-        for prm, st, v in self._entries() + other._entries():
+        for prm, st, v in self._entries("Grads + Grads") + other._entries("Grads + Grads"):
             got = merged.get(id(st))
             if got is not None and (got[2].shape, got[2].dtype) != (v.shape, v.dtype):
                 raise TapeError(
@@ -368,13 +380,13 @@ class Grads(Mapping[GradKey, Array]):
 
     def __radd__(self, other: object) -> Grads:
         if isinstance(other, (int, float)) and other == 0:  # sum([g1, g2, ...]) and total = 0 starts
-            return Grads.of_storages(self._entries(), self.state_logs)
+            return Grads.of_storages(self._entries("sum(grads)"), self.state_logs)
         return NotImplemented
 
     def __mul__(self, c: object) -> Grads:
         if not _is_scalar(c):
             return NotImplemented
-        scaled = [(p, st, v * jnp.asarray(c, v.dtype)) for p, st, v in self._entries()]
+        scaled = [(p, st, v * jnp.asarray(c, v.dtype)) for p, st, v in self._entries("Grads * number")]
         return Grads.of_storages(scaled, self.state_logs)
 
     __rmul__ = __mul__
@@ -382,7 +394,7 @@ class Grads(Mapping[GradKey, Array]):
     def __truediv__(self, c: object) -> Grads:
         if not _is_scalar(c):
             return NotImplemented
-        scaled = [(p, st, v / jnp.asarray(c, v.dtype)) for p, st, v in self._entries()]
+        scaled = [(p, st, v / jnp.asarray(c, v.dtype)) for p, st, v in self._entries("Grads / number")]
         return Grads.of_storages(scaled, self.state_logs)
 
     def global_norm(self) -> Array:
@@ -392,7 +404,7 @@ class Grads(Mapping[GradKey, Array]):
         value ``torch.nn.utils.clip_grad_norm_`` returns; computed in at least
         float32. A lazy session's gradients are computed here.
         """
-        vals = [v for _, _, v in self._entries()]
+        vals = [v for _, _, v in self._entries("Grads.global_norm()")]
         if not vals:
             return jnp.zeros((), jnp.float32)
         return global_norm_of(vals)
@@ -410,6 +422,45 @@ class Grads(Mapping[GradKey, Array]):
             else f"{len(self._by_leaf) if self.pending is None else 'pending'} leaves, {len(self.groups)} parameter groups"
         )
         return f"Grads({state})"
+
+
+class ConsumedGradientError(TapeError, KeyError):
+    """A gradient an :meth:`Optimizer.step <tapeflow.Optimizer.step>` consumed (and freed) was read.
+
+    Raised by ``grads[param]`` for that parameter, and by everything that reads
+    every gradient (``global_norm``, ``clip_grad_norm``, ``grads * c``, ``grads + other``,
+    ``params()``) once any was consumed: it would see only the rest. A
+    ``TapeError`` and a ``KeyError``.
+
+    >>> import jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w, v = tfl.Param(jnp.ones(2), name="w"), tfl.Param(jnp.ones(2), name="v")
+    >>> with tfl.Session() as s:
+    ...     g = s.backward((w * v).sum())
+    ...     norm = g.global_norm()  # read everything before the first step
+    ...     tfl.Optimizer(optax.sgd(0.1), [w]).step(g)
+    ...     try:
+    ...         g.global_norm()
+    ...     except tfl.TapeError as e:
+    ...         print(str(e).split(";")[0])
+    Grads.global_norm() needs every gradient, but the gradient of Param 'w' was consumed (and freed) by an Optimizer.step
+    """
+
+    __str__ = BaseException.__str__  # the message as it is (KeyError's would quote it)
+
+    def __init__(self, parameter: object, what: str) -> None:
+        name = getattr(parameter, "name", None)
+        shown = f"Param {name!r}" if name else repr(parameter)
+        if what == "grads[param]":
+            msg = (
+                f"the gradient of {shown} was consumed (and freed) by an Optimizer.step; "
+                "read grads[param] before the step if you need it"
+            )
+        else:
+            msg = (
+                f"{what} needs every gradient, but the gradient of {shown} was consumed (and freed) by an "
+                f"Optimizer.step; compute {what} before the first optimizer steps from these gradients"
+            )
+        super().__init__(msg)
 
 
 def _is_scalar(c: object) -> bool:
