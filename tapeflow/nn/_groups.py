@@ -29,16 +29,16 @@ from typing import TypeAlias
 
 from .._shell._params import Param
 from .._train._slots import records_of
-from ._layers import Embedding, LayerNorm
+from ._layers import Embedding
 from ._module import Module
-from ._norm import BatchNorm1d, BatchNorm2d
+from ._norm import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 
 __all__ = ["NO_DECAY_MODULES", "LabelRule", "decay_mask", "param_labels"]
 
 LabelRule: TypeAlias = Callable[[str, Param], Hashable]
 """``rule(name, param) -> label``: called once per registration (name) of each storage the optimizer updates."""
 
-NO_DECAY_MODULES: tuple[type[Module], ...] = (LayerNorm, BatchNorm1d, BatchNorm2d)
+NO_DECAY_MODULES: tuple[type[Module], ...] = (LayerNorm, BatchNorm1d, BatchNorm2d, GroupNorm, RMSNorm)
 """The modules whose Params :func:`decay_mask` never decays (norm scales and shifts); Embedding unless asked."""
 
 Patterns: TypeAlias = "str | Iterable[str]"

@@ -29,11 +29,25 @@ True
 >>> bool(np.array_equal(ours, jax.random.key_data(jax.random.split(key, 3))))
 True
 >>> k1, k2 = init.keys(key, 2)  # split into separate keys, nothing compiled
+
+**The default seed stream.** A layer built without ``key=`` (as PyTorch code
+builds it) takes :func:`next_key`: the ``i``-th layer built since
+:func:`manual_seed` ``(seed)`` gets ``jax.random.fold_in(jax.random.key(seed), i)``
+(seed 0 at import), so a script that builds its model in the same order gets the
+same initial values on every run; ``manual_seed`` resets the stream, as
+``torch.manual_seed`` does (the values are JAX's, not PyTorch's).
+
+>>> init.manual_seed(3)
+>>> a = init.next_key()
+>>> init.manual_seed(3)
+>>> bool((jax.random.key_data(init.next_key()) == jax.random.key_data(a)).all())
+True
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -45,7 +59,7 @@ from jax.extend.random import threefry2x32_p
 from .._core import _compile_log
 from .._core._typing import Array, DTypeLike, PRNGKey
 
-__all__ = ["CHUNK", "keys", "normal", "require_key", "split", "uniform"]
+__all__ = ["CHUNK", "keys", "manual_seed", "next_key", "normal", "require_key", "split", "uniform"]
 
 CHUNK = 1 << 16
 """Values one kernel call draws: a parameter of ``n`` values takes ``ceil(n / CHUNK)`` calls."""
@@ -86,14 +100,49 @@ _UNIFORM = jax.jit(_uniform_chunk)
 _NORMAL = jax.jit(_normal_chunk)
 
 
+_stream_lock = threading.Lock()
+_stream = [0, 0]  # [seed, how many keys drawn since manual_seed(seed)]
+
+
+def manual_seed(seed: int) -> None:
+    """Restart the default seed stream at ``seed``: the next layer built without ``key=`` gets key 0 of it.
+
+    >>> import tapeflow as tfl
+    >>> tfl.nn.init.manual_seed(0)
+    >>> w1 = tfl.nn.Linear(2, 2).weight.value
+    >>> tfl.nn.init.manual_seed(0)
+    >>> bool((tfl.nn.Linear(2, 2).weight.value == w1).all())
+    True
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"manual_seed: seed must be an int, got {type(seed).__name__}")
+    with _stream_lock:
+        _stream[0], _stream[1] = int(seed), 0
+
+
+def next_key() -> PRNGKey:
+    """The next key of the default seed stream: ``jax.random.fold_in(jax.random.key(seed), i)``, ``i`` counting up.
+
+    >>> import jax, tapeflow as tfl
+    >>> tfl.nn.init.manual_seed(5)
+    >>> k = tfl.nn.init.next_key()
+    >>> bool((jax.random.key_data(k) == jax.random.key_data(jax.random.fold_in(jax.random.key(5), 0))).all())
+    True
+    """
+    with _stream_lock:
+        seed, i = _stream
+        _stream[1] += 1
+    if 0 <= seed < 2**32 and i < 2**32 and str(getattr(jax.config, "jax_default_prng_impl", "")) == "threefry2x32":
+        # jax.random.key(seed) holds (0, seed); fold_in(key, i) hashes the counter pair (0, i): no program compiled
+        b1, b2 = _threefry(np.uint32(0), np.uint32(seed), np.zeros(1, np.uint32), np.array([i], np.uint32))
+        return jax.random.wrap_key_data(jax.device_put(np.array([b1[0], b2[0]], np.uint32)), impl="threefry2x32")
+    return jax.random.fold_in(jax.random.key(seed), i)
+
+
 def require_key(key: PRNGKey | None, layer: str) -> PRNGKey:
-    """``key``, or the error a layer built without one raises (initial values are always explicitly seeded)."""
-    if key is None:
-        raise TypeError(
-            f"{layer}: pass key=jax.random.key(...), e.g. tfl.nn.{layer}(..., key=jax.random.key(0)): initial values "
-            "are always explicitly seeded (split one key per layer with tfl.nn.init.keys(key, n))"
-        )
-    return key
+    """``key``, or the default seed stream's :func:`next_key` when ``key`` is None (``layer`` names the caller)."""
+    del layer  # kept in the signature: callers name themselves for errors a key check may raise
+    return next_key() if key is None else key
 
 
 def _key_data(key: PRNGKey) -> np.ndarray | None:

@@ -13,6 +13,7 @@ documented on :func:`load_state_dict`.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,9 +27,11 @@ from .._core._registry import fmt_spec
 from .._core._typing import PyTree
 from .._shell._commit import commit
 from .._shell._params import Param, Storage
-from ._layers import Conv2d, Embedding, LayerNorm, Linear, MultiHeadAttention, Sequential, TiedLinear
+from ._container import Sequential
+from ._conv import Conv2d
+from ._layers import Embedding, Linear, MultiHeadAttention, TiedLinear
 from ._module import Module
-from ._norm import BatchNorm1d, BatchNorm2d
+from ._norm import BatchNorm1d, BatchNorm2d, LayerNorm
 from ._recurrent import GRUCell, LSTMCell
 
 __all__ = ["TABLE", "IncompatibleKeys", "load_nnx_state", "load_state_dict", "nnx_state", "state_dict"]
@@ -58,19 +61,6 @@ class Layout:
     ctx: Callable[[Module], Hashable] = lambda m: None
 
 
-def _packed(transpose: bool) -> Layout:
-    """q, k, v stacked along axis 0 (PyTorch's ``in_proj_weight`` / ``in_proj_bias``)."""
-
-    def t(a: np.ndarray) -> np.ndarray:
-        return a.T if transpose else a
-
-    return Layout(
-        "q, k, v" + (" transposed" if transpose else "") + " stacked",
-        lambda c, q, k, v: np.concatenate([t(q), t(k), t(v)], axis=0),
-        lambda c, a: tuple(t(x) for x in np.split(a, 3, axis=0)),
-    )
-
-
 def _heads(m: Module) -> Hashable:
     return getattr(m, "num_heads", None)
 
@@ -79,18 +69,22 @@ SAME = Layout("as stored", lambda c, a: a, lambda c, a: (a,))
 TRANSPOSE = Layout("transposed", lambda c, a: a.T, lambda c, a: (a.T,))
 HWIO = Layout("OIHW -> HWIO", lambda c, a: a.transpose(2, 3, 1, 0), lambda c, a: (a.transpose(3, 2, 0, 1),))
 INT64 = Layout("int64", lambda c, a: a.astype(np.int64), lambda c, a: (a,))
-PACKED_W, PACKED_B = _packed(True), _packed(False)
+PACKED = Layout(  # q, k, v stacked along axis 0 (PyTorch's in_proj_weight / in_proj_bias)
+    "q, k, v stacked",
+    lambda c, q, k, v: np.concatenate([q, k, v], axis=0),
+    lambda c, a: tuple(np.split(a, 3, axis=0)),
+)
 HEADS_IN = Layout(
-    "(E, E) -> (E, H, E/H)",
-    lambda h, a: a.reshape(a.shape[0], h, -1),
-    lambda h, a: (a.reshape(a.shape[0], -1),),
+    "(out, in) -> (in, H, out/H)",
+    lambda h, a: a.T.reshape(a.shape[1], h, -1),
+    lambda h, a: (a.reshape(a.shape[0], -1).T,),
     _heads,
 )
 HEADS_BIAS = Layout("(E,) -> (H, E/H)", lambda h, a: a.reshape(h, -1), lambda h, a: (a.reshape(-1),), _heads)
 HEADS_OUT = Layout(
-    "(E, E) -> (H, E/H, E)",
-    lambda h, a: a.reshape(h, -1, a.shape[-1]),
-    lambda h, a: (a.reshape(-1, a.shape[-1]),),
+    "(out, in) -> (H, in/H, out)",
+    lambda h, a: a.T.reshape(h, -1, a.shape[0]),
+    lambda h, a: (a.reshape(-1, a.shape[-1]).T,),
     _heads,
 )
 
@@ -146,7 +140,7 @@ _CELL = LayerMap(torch=tuple(_e(n) for n in ("weight_ih", "weight_hh", "bias_ih"
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 TABLE: dict[type[Module], LayerMap] = {
-    Linear: LayerMap(torch=(_e("weight", layout=TRANSPOSE), _e("bias")), flax=(_e("kernel", "weight"), _e("bias"))),
+    Linear: LayerMap(torch=(_e("weight"), _e("bias")), flax=(_e("kernel", "weight", layout=TRANSPOSE), _e("bias"))),
     TiedLinear: LayerMap(torch=(_e("weight"),), flax=(_e("kernel", "weight", layout=TRANSPOSE),)),
     Embedding: LayerMap(torch=(_e("weight"),), flax=(_e("embedding", "weight"),)),
     LayerNorm: LayerMap(torch=(_e("weight"), _e("bias")), flax=(_e("scale", "weight"), _e("bias"))),
@@ -157,9 +151,9 @@ TABLE: dict[type[Module], LayerMap] = {
     LSTMCell: _CELL,
     MultiHeadAttention: LayerMap(
         torch=(
-            _e("in_proj_weight", *(f"{p}.weight" for p in _QKV), layout=PACKED_W),
-            _e("in_proj_bias", *(f"{p}.bias" for p in _QKV), layout=PACKED_B),
-            _e("out_proj.weight", layout=TRANSPOSE),
+            _e("in_proj_weight", *(f"{p}.weight" for p in _QKV), layout=PACKED),
+            _e("in_proj_bias", *(f"{p}.bias" for p in _QKV), layout=PACKED),
+            _e("out_proj.weight"),
             _e("out_proj.bias"),
         ),
         flax=tuple(
@@ -230,6 +224,8 @@ def _records(module: Module, fw: Framework) -> list[_Rec]:
         add = rule.flax_prefix if fw == "flax" else ""
         for name, obj in m.named_members():
             if isinstance(obj, Param):
+                if m.is_buffer(name) and not m.is_persistent_buffer(name):
+                    continue  # register_buffer(..., persistent=False): not state-dict state, as in PyTorch
                 if name not in named:
                     out.append(_Rec(prefix + name, (obj,), SAME, None, where))
             elif name.split(".")[0] not in rule.owns and id(obj) not in path:
@@ -282,8 +278,8 @@ def state_dict(module: Module, layout: Framework = "torch") -> dict[str, np.ndar
     {'0.weight': (5, 3), '1.weight': (3, 3), '1.bias': (3,), '2.weight': (5, 3)}
     >>> sd["0.weight"] is sd["2.weight"]  # one storage: one array under both names
     True
-    >>> bool((sd["1.weight"] == lm[1].weight.value.T).all())  # Linear: (out, in) as PyTorch
-    True
+    >>> sd["1.weight"].shape  # Linear: (out, in) as PyTorch
+    (3, 3)
     """
     _check_layout(layout)
     return _export(module, layout)
@@ -437,9 +433,14 @@ def _load(
 
 
 def load_state_dict(
-    module: Module, state_dict: Mapping[str, object], strict: bool = True, *, layout: Framework = "torch"
+    module: Module,
+    state_dict: Mapping[str, object],
+    strict: bool = True,
+    *,
+    layout: Framework = "torch",
+    transpose: str | Sequence[str] = (),
 ) -> IncompatibleKeys:
-    """Install a PyTorch-style ``state_dict`` (torch tensors, NumPy or JAX arrays) into ``module``.
+    r"""Install a PyTorch-style ``state_dict`` (torch tensors, NumPy or JAX arrays) into ``module``.
 
     Returns ``IncompatibleKeys(missing_keys, unexpected_keys)``; with
     ``strict=True`` (the default) either being non-empty is an error, with
@@ -454,15 +455,27 @@ def load_state_dict(
 
     | tapeflow layer (its Params) | PyTorch name: layout | Flax NNX name: layout |
     | --- | --- | --- |
-    | `Linear` (`weight` (in, out), `bias`) | `weight`: transposed to (out, in); `bias` | `kernel`: (in, out); `bias` |
+    | `Linear` (`weight` (out, in), `bias`) | `weight`: (out, in); `bias` | `kernel`: transposed to (in, out); `bias` |
     | `TiedLinear` (`weight` (V, d)) | `weight`: (V, d), as `nn.Linear(d, V, bias=False)` | `kernel`: transposed to (d, V) |
     | `Embedding` (`weight`) | `weight` | `embedding` |
     | `LayerNorm` (`weight`, `bias`) | `weight`, `bias` | `scale`, `bias` |
     | `Conv2d` (`weight` OIHW, `bias`) | `weight`: OIHW; `bias` | `kernel`: HWIO; `bias` |
     | `BatchNorm1d/2d` | `weight`, `bias`, `running_mean`, `running_var`, `num_batches_tracked` (int64) | `scale`, `bias`, `mean`, `var`; no counter (kept, not exported) |
     | `GRUCell`, `LSTMCell` | `weight_ih`, `weight_hh`, `bias_ih`, `bias_hh`: as stored | none: an error |
-    | `MultiHeadAttention` (`q/k/v_proj`, `out_proj`) | `in_proj_weight` (3E, E): q, k, v weights transposed and stacked; `in_proj_bias` (3E,); `out_proj.weight` (transposed), `out_proj.bias` | `query`/`key`/`value`: `kernel` (E, H, E/H), `bias` (H, E/H); `out`: `kernel` (H, E/H, E), `bias` |
+    | `MultiHeadAttention` (`q/k/v_proj`, `out_proj`) | `in_proj_weight` (3E, E): q, k, v weights stacked; `in_proj_bias` (3E,); `out_proj.weight`, `out_proj.bias` | `query`/`key`/`value`: `kernel` (E, H, E/H), `bias` (H, E/H); `out`: `kernel` (H, E/H, E), `bias` |
     | `Sequential` (entries `0`, `1`, ...) | `0`, `1`, ..., as `torch.nn.Sequential` | `layers.0`, `layers.1`, ..., as `nnx.Sequential` |
+
+    Every other layer (``Conv1d``, ``MultiheadAttention``, ``GRU``, ...) stores
+    its Params under PyTorch's names and layouts, so they map as stored.
+    Buffers (:meth:`Module.register_buffer`) are state-dict entries unless
+    registered with ``persistent=False``.
+
+    **Foreign layouts.** ``transpose=`` takes regular expressions (one, or a
+    list); every key that one of them matches in full (``re.fullmatch``) has its
+    2-D value transposed before the checks. transformers' GPT-2 stores its
+    ``Conv1D`` weights as ``(in, out)``; load them into ``Linear`` layers with
+    ``transpose=[r".*\.(c_attn|c_proj|c_fc)\.weight"]``. A pattern that matches
+    no key is an error (a misspelt pattern would otherwise load nothing transposed).
 
     A Param set to None (``bias=False``, ``affine=False``) has no key, as in
     PyTorch. Hyperparameters (eps, momentum, padding, heads, causal) are not
@@ -489,33 +502,62 @@ def load_state_dict(
 
     >>> import jax, numpy as np, tapeflow as tfl
     >>> lin = tfl.nn.Linear(3, 2, key=jax.random.key(0))
-    >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)  # PyTorch's (out, in)
+    >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)  # (out, in), as PyTorch
     >>> tfl.nn.load_state_dict(lin, {"weight": w, "bias": np.zeros(2, np.float32)})
     IncompatibleKeys(missing_keys=[], unexpected_keys=[])
-    >>> lin.weight.value.tolist()  # tapeflow's (in, out)
-    [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    >>> lin.weight.value.tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     >>> tfl.nn.load_state_dict(lin, {"weight": w, "extra": w}, strict=False)
     IncompatibleKeys(missing_keys=['bias'], unexpected_keys=['extra'])
+    >>> conv1d_style = {"weight": w.T, "bias": np.zeros(2, np.float32)}  # (in, out), as GPT-2's Conv1D
+    >>> tfl.nn.load_state_dict(lin, conv1d_style, transpose="weight")
+    IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     >>> try:  # doctest: +NORMALIZE_WHITESPACE
-    ...     tfl.nn.load_state_dict(lin, {"weight": w.T, "bias": np.zeros(2, np.float32)})
+    ...     tfl.nn.load_state_dict(lin, conv1d_style)
     ... except ValueError as e:
     ...     print(str(e).splitlines()[1].strip())
     'weight': got float32[3,2], expected float32[2,3]
-      (Linear at '<root>' holds float32[3,2]; PyTorch layout: transposed)
+      (Linear at '<root>' holds float32[2,3]; PyTorch layout: as stored)
     """
     _check_layout(layout)
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_state_dict expects a mapping of names to arrays, got {type(state_dict).__name__}")
+    patterns = _patterns(transpose)
     src: dict[str, tuple[np.ndarray, Hashable]] = {}
     errors: list[str] = []
+    used: set[re.Pattern[str]] = set()
     for k, v in state_dict.items():
         try:
-            src[str(k)] = _source(str(k), v)
+            arr, token = _source(str(k), v)
         except ValueError as e:  # every unreadable key is named, not only the first
             errors.append(str(e))
+            continue
+        hits = [p for p in patterns if p.fullmatch(str(k))]
+        if hits:
+            used.update(hits)
+            if arr.ndim != 2:
+                errors.append(f"{str(k)!r}: transpose= matched it, but its value has shape {arr.shape}, not 2-D")
+                continue
+            arr = arr.T
+        src[str(k)] = (arr, token)
+    errors += [f"transpose= pattern {p.pattern!r} matches no key of the state dict" for p in patterns if p not in used]
     if errors:
         raise _refusal(module, layout, errors)
     return _load(module, src, layout, strict)
+
+
+def _patterns(transpose: str | Sequence[str]) -> list[re.Pattern[str]]:
+    """``transpose=`` as compiled patterns (one string, or a sequence of them)."""
+    items = [transpose] if isinstance(transpose, str) else list(transpose)
+    out = []
+    for p in items:
+        if not isinstance(p, str):
+            raise TypeError(f"load_state_dict: transpose= takes regular expressions (str), got {type(p).__name__}")
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"load_state_dict: transpose= pattern {p!r} is not a regular expression ({e})") from None
+    return out
 
 
 def _flatten_nnx(state: Mapping[Any, object], prefix: str, out: dict[str, tuple[np.ndarray, Hashable]]) -> None:

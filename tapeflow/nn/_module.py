@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
+
+import jax
+import numpy as np
+from numpy.typing import ArrayLike
 
 from .._core import _treescope
 from .._core._registry import fmt_spec
 from .._shell import _debug
-from .._shell._params import Param, canonical_indices
+from .._shell._params import Param, canonical_indices, tie
 from .._shell._state import note_mode_read
+from .._shell._tensor import Tensor
 
-__all__ = ["Module", "observe_calls", "observing"]
+__all__ = ["Module", "factory_dtype", "observe_calls", "observing"]
 
 observing = 0
 """How many :func:`observe_calls` blocks are open, in any thread (``Module.__call__`` reads it per call)."""
@@ -68,6 +73,33 @@ def observe_calls() -> Iterator[list[tuple[Module, Any]]]:
         with _observing_lock:
             observing -= 1
         _OBSERVERS.reset(token)
+
+
+def factory_dtype(device: object, dtype: object, layer: str) -> np.dtype:
+    """The parameter dtype of a layer built with PyTorch's ``device=`` / ``dtype=`` factory arguments.
+
+    ``dtype`` may be None (float32), a NumPy / JAX dtype or a torch dtype;
+    float64 is float32 unless JAX runs with x64 (the project's dtype mapping).
+    ``device`` may be None or a CPU device: parameters live where JAX puts
+    them; any other device is refused (a Session picks the device).
+
+    >>> import jax.numpy as jnp
+    >>> factory_dtype(None, None, "Linear"), factory_dtype("cpu", jnp.bfloat16, "Linear")
+    (dtype('float32'), dtype(bfloat16))
+    """
+    if device is not None and str(getattr(device, "type", device)) != "cpu":
+        raise ValueError(
+            f"{layer}: device={device!r} is not supported; parameters live on JAX's default device "
+            "(pick one for computation with tfl.Session(device=...)); pass device=None"
+        )
+    if dtype is None:
+        return np.dtype(np.float32)
+    if type(dtype).__module__.split(".")[0] == "torch":
+        dtype = str(dtype).rsplit(".", 1)[-1]
+    try:
+        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    except TypeError:
+        raise TypeError(f"{layer}: dtype={dtype!r} is not a dtype") from None
 
 
 def members(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
@@ -180,36 +212,131 @@ class Module:
         for name, value in list(vars(self).items()):
             yield from members(value, name)
 
-    def _walk(self, prefix: str, path: tuple[int, ...]) -> Iterator[tuple[str, Param]]:
+    def is_buffer(self, name: str) -> bool:
+        """True when the direct attribute ``name`` was registered with :meth:`register_buffer`."""
+        return name in self.__dict__.get("_buffers", ())
+
+    def is_persistent_buffer(self, name: str) -> bool:
+        """True for a buffer that :meth:`state_dict` lists (``register_buffer(..., persistent=True)``)."""
+        return bool(self.__dict__.get("_buffers", {}).get(name, False))
+
+    def register_buffer(self, name: str, tensor: ArrayLike | Param | None, persistent: bool = True) -> None:
+        """Store ``tensor`` as the buffer ``name``: module state that is not a parameter, as PyTorch's.
+
+        A buffer is a non-trainable :class:`~tapeflow.Param` (a state cell: a
+        layer updates it with :meth:`Session.assign_state <tapeflow.Session.assign_state>`,
+        as BatchNorm's running statistics). :meth:`parameters` does not list it;
+        :meth:`buffers` does, :meth:`state_dict` does when ``persistent``, and
+        checkpoints and :meth:`param_dict` (the pytree of
+        :func:`tfl.value_and_grad(has_state=True) <tapeflow.value_and_grad>`) hold it.
+        ``None`` registers no value (the attribute is None).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> m = tfl.nn.Module()
+        >>> m.register_buffer("steps", jnp.zeros(()))
+        >>> [n for n, _ in m.named_buffers()], m.parameters(), list(m.state_dict())
+        (['steps'], [], ['steps'])
+        """
+        if not isinstance(name, str) or not name or "." in name:
+            raise KeyError(f"register_buffer: the name must be a non-empty string without '.', got {name!r}")
+        if name in vars(self) and not self.is_buffer(name):
+            raise KeyError(f"register_buffer: attribute {name!r} already exists and is not a buffer")
+        if tensor is None or isinstance(tensor, Param):
+            buf = tensor
+            if buf is not None and buf.trainable:
+                buf = tie(buf, name=buf.name or name, trainable=False)
+        else:
+            value = tensor.value if isinstance(tensor, Tensor) else tensor
+            buf = Param(value, name=name, trainable=False)
+        self.__dict__.setdefault("_buffers", {})[name] = bool(persistent)
+        setattr(self, name, buf)
+
+    def _walk(self, prefix: str, path: tuple[int, ...], recurse: bool = True) -> Iterator[tuple[str, Param, bool]]:
         path = path + (id(self),)
+        bufs = self.__dict__.get("_buffers", ())
         for name, obj in self.named_members():
             full = f"{prefix}{name}"
             if isinstance(obj, Param):
-                yield full, obj
-            elif id(obj) not in path:  # a module containing itself is not walked again
+                yield full, obj, name in bufs
+            elif recurse and id(obj) not in path:  # a module containing itself is not walked again
                 yield from obj._walk(full + ".", path)
 
     def parameter_records(self) -> list[tuple[str, Param]]:
-        """Every registration ``(path, Param)`` in definition order, tied and shared ones included.
+        """Every registration ``(path, Param)`` in definition order: tied and shared ones, and buffers, included.
 
         A sub-module stored in two places is listed under both paths; records
         that share a storage are aliases (see :func:`tfl.canonical_indices`).
+        Checkpoints (:func:`tfl.save`) store every storage listed here.
         """
-        return list(self._walk("", ()))
+        return [(n, p) for n, p, _ in self._walk("", ())]
 
-    def named_parameters(self) -> list[tuple[str, Param]]:
-        """``(path, Param)`` once per storage, named by its first path, in definition order."""
-        recs = self.parameter_records()
+    @staticmethod
+    def _once(recs: list[tuple[str, Param]], remove_duplicate: bool) -> list[tuple[str, Param]]:
+        if not remove_duplicate:
+            return recs
         canon = canonical_indices([p.storage for _, p in recs])
         return [recs[i] for i, c in enumerate(canon) if c == i]
 
-    def parameters(self) -> list[Param]:
-        """Each parameter storage once (its first record), in definition order."""
-        return [p for _, p in self.named_parameters()]
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> list[tuple[str, Param]]:
+        """``(path, Param)`` once per storage, named by its first path, in definition order; buffers excluded.
+
+        As ``torch.nn.Module.named_parameters``: ``prefix`` is put before each
+        name, ``recurse=False`` lists only this module's direct parameters,
+        ``remove_duplicate=False`` lists every registration of a tied storage.
+
+        >>> import tapeflow as tfl
+        >>> [(n, p.shape) for n, p in tfl.nn.BatchNorm1d(3).named_parameters()]
+        [('weight', (3,)), ('bias', (3,))]
+        """
+        pre = f"{prefix}." if prefix else ""
+        recs = [(pre + n, p) for n, p, buf in self._walk("", (), recurse) if not buf]
+        return self._once(recs, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> list[Param]:
+        """Each parameter storage once (its first record), in definition order; buffers excluded."""
+        return [p for _, p in self.named_parameters(recurse=recurse)]
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> list[tuple[str, Param]]:
+        """``(path, buffer)`` for each buffer (:meth:`register_buffer`), once per storage, in definition order.
+
+        >>> import tapeflow as tfl
+        >>> [n for n, _ in tfl.nn.BatchNorm1d(3).named_buffers()]
+        ['running_mean', 'running_var', 'num_batches_tracked']
+        """
+        pre = f"{prefix}." if prefix else ""
+        recs = [(pre + n, p) for n, p, buf in self._walk("", (), recurse) if buf]
+        return self._once(recs, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> list[Param]:
+        """Each buffer once, in definition order (see :meth:`named_buffers`)."""
+        return [p for _, p in self.named_buffers(recurse=recurse)]
 
     def param_dict(self) -> dict[str, Param]:
-        """``dict(named_parameters())``: a params pytree for :func:`tfl.value_and_grad`."""
-        return dict(self.named_parameters())
+        """Parameters and buffers by path, each storage once: a params pytree for :func:`tfl.value_and_grad`.
+
+        Buffers are included so that ``value_and_grad(..., has_state=True)`` can
+        return the new values of the state cells a forward assigns.
+        """
+        recs = self._once(self.parameter_records(), True)
+        return dict(recs)
+
+    def named_children(self) -> list[tuple[str, Module]]:
+        """``(name, module)`` for each direct sub-module, once, in definition order (a list entry: ``name.i``)."""
+        out: list[tuple[str, Module]] = []
+        seen: set[int] = set()
+        for n, obj in self.named_members():
+            if isinstance(obj, Module) and id(obj) not in seen:
+                seen.add(id(obj))
+                out.append((n, obj))
+        return out
+
+    def children(self) -> list[Module]:
+        """Each direct sub-module once, in definition order."""
+        return [m for _, m in self.named_children()]
 
     def named_modules(self, prefix: str = "") -> list[tuple[str, Module]]:
         """``(path, module)`` for this module and each sub-module once (first path), in definition order."""
@@ -231,6 +358,54 @@ class Module:
     def modules(self) -> list[Module]:
         """This module and each sub-module once, in definition order."""
         return [m for _, m in self.named_modules()]
+
+    def requires_grad_(self, requires_grad: bool = True) -> Self:
+        """Make every parameter (not the buffers) trainable, or frozen with ``False``; returns ``self``.
+
+        Sets each Param's ``trainable`` flag: a frozen Param records no
+        gradient and gets no optimizer slot.
+
+        >>> import tapeflow as tfl
+        >>> lin = tfl.nn.Linear(2, 2).requires_grad_(False)
+        >>> [p.trainable for p in lin.parameters()]
+        [False, False]
+        """
+        for _, p in self.named_parameters(remove_duplicate=False):
+            p.trainable = bool(requires_grad)
+        return self
+
+    # -- PyTorch state dicts ---------------------------------------------------------
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters and persistent buffers as ``{name: NumPy array}`` in PyTorch's names and layouts.
+
+        The same as :func:`tfl.nn.state_dict(self) <tapeflow.nn.state_dict>`
+        (see there for the table of names and layouts).
+
+        >>> import tapeflow as tfl
+        >>> {k: v.shape for k, v in tfl.nn.Linear(4, 3).state_dict().items()}
+        {'weight': (3, 4), 'bias': (3,)}
+        """
+        from ._interop import state_dict  # the interop table knows every layer: imported on use
+
+        return state_dict(self)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, object], strict: bool = True, *, transpose: Sequence[str] = ()
+    ) -> NamedTuple:
+        """Install a PyTorch ``state_dict`` (torch tensors, NumPy or JAX arrays); returns ``(missing_keys, unexpected_keys)``.
+
+        The same as :func:`tfl.nn.load_state_dict(self, ...) <tapeflow.nn.load_state_dict>`
+        (all or nothing; ``transpose=`` lists regexes of keys whose 2-D values
+        are transposed first, e.g. for transformers' GPT-2 ``Conv1D`` weights).
+
+        >>> import numpy as np, tapeflow as tfl
+        >>> lin = tfl.nn.Linear(2, 1)
+        >>> lin.load_state_dict({"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)})
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        """
+        from ._interop import load_state_dict
+
+        return load_state_dict(self, state_dict, strict, transpose=transpose)
 
     def num_parameters(self) -> int:
         """Number of scalar entries over the distinct storages."""

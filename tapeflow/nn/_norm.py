@@ -1,4 +1,5 @@
-"""Batch normalization with running statistics: :class:`BatchNorm1d` and :class:`BatchNorm2d`.
+"""Normalization layers: :class:`BatchNorm1d` / :class:`BatchNorm2d` (running statistics), :class:`LayerNorm`,
+:class:`GroupNorm` and :class:`RMSNorm`, with ``torch.nn``'s arguments and state-dict keys.
 
 PyTorch's semantics: in training behaviour a batch is normalized with its own
 mean and biased variance over every axis but the channel axis (axis 1), and
@@ -6,35 +7,38 @@ the running statistics move towards the batch's mean and *unbiased* variance
 with ``momentum``; in eval behaviour the running statistics normalize.
 
 ``weight`` and ``bias`` are trainable Params; ``running_mean``, ``running_var``
-and ``num_batches_tracked`` are non-trainable Params (state cells): they are
-listed by ``named_parameters()``, saved and restored by :func:`tfl.save` /
-:func:`tfl.restore`, and written with :meth:`Session.assign_state`, so an
-eager forward updates them at once and :func:`tfl.train_step` updates them
-inside its compiled program (see ``docs/concepts.md``, "Modes and state").
+and ``num_batches_tracked`` are buffers (:meth:`Module.register_buffer`:
+non-trainable Params used as state cells): ``named_buffers()`` lists them and
+``parameters()`` does not, as in PyTorch; they are state-dict entries, saved
+and restored by :func:`tfl.save` / :func:`tfl.restore`, and written with
+:meth:`Session.assign_state`, so an eager forward updates them at once and
+:func:`tfl.train_step` updates them inside its compiled program (see
+``docs/concepts.md``, "Modes and state").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._core._precision import keep_dtypes
 from .._core._registry import is_float
 from .._core._result import TapeError
 from .._core._typing import DTypeLike
-from .._shell import _functions as F
+from .._shell import _functions as R
 from .._shell._params import Param
-from .._shell._tensor import Tensor, session_of
-from ._module import Module
+from .._shell._tensor import Operand, Tensor, session_of
+from . import functional as F
+from ._module import Module, factory_dtype
 
 if TYPE_CHECKING:
     from .._shell._session import Session
 
-__all__ = ["BatchNorm1d", "BatchNorm2d"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "GroupNorm", "LayerNorm", "RMSNorm"]
 
 
 class _BatchNorm(Module):
@@ -50,10 +54,11 @@ class _BatchNorm(Module):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        *,
-        dtype: DTypeLike = jnp.float32,
+        device: object = None,
+        dtype: DTypeLike | None = None,
     ) -> None:
         name = type(self).__name__
+        dtype = factory_dtype(device, dtype, name)
         if int(num_features) < 1:
             raise ValueError(f"{name}: num_features must be >= 1, got {num_features}")
         if not (math.isfinite(float(eps)) and float(eps) >= 0.0):
@@ -66,15 +71,16 @@ class _BatchNorm(Module):
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
         c = (self.num_features,)
-        self.weight: Param | None = Param(jnp.ones(c, dtype), name="weight") if self.affine else None
-        self.bias: Param | None = Param(jnp.zeros(c, dtype), name="bias") if self.affine else None
-        self.running_mean: Param | None = None
-        self.running_var: Param | None = None
-        self.num_batches_tracked: Param | None = None
-        if self.track_running_stats:
-            self.running_mean = Param(jnp.zeros(c, dtype), name="running_mean", trainable=False)
-            self.running_var = Param(jnp.ones(c, dtype), name="running_var", trainable=False)
-            self.num_batches_tracked = Param(jnp.zeros((), jnp.int32), name="num_batches_tracked", trainable=False)
+        # host ones and zeros: jnp.ones would compile a program per shape
+        self.weight: Param | None = Param(np.ones(c, dtype), name="weight") if self.affine else None
+        self.bias: Param | None = Param(np.zeros(c, dtype), name="bias") if self.affine else None
+        self.running_mean: Param | None
+        self.running_var: Param | None
+        self.num_batches_tracked: Param | None
+        track = self.track_running_stats
+        self.register_buffer("running_mean", np.zeros(c, dtype) if track else None)
+        self.register_buffer("running_var", np.ones(c, dtype) if track else None)
+        self.register_buffer("num_batches_tracked", np.zeros((), np.int32) if track else None)
 
     def _check(self, x: Tensor | jax.Array) -> tuple[int, ...]:
         shape = tuple(np.shape(x))
@@ -106,9 +112,9 @@ class _BatchNorm(Module):
                         f"{type(self).__name__}: expected more than 1 value per channel when training, got input "
                         f"shape {shape}"
                     )
-                mean = F.mean(x, axis=axes, keepdims=True)
+                mean = R.mean(x, axis=axes, keepdims=True)
                 xc = x - mean
-                var = F.mean(xc * xc, axis=axes, keepdims=True)  # biased: what normalizes
+                var = R.mean(xc * xc, axis=axes, keepdims=True)  # biased: what normalizes
                 if training and self.running_mean is not None:
                     self._update_running_stats(s, mean, var, n)
             else:
@@ -117,15 +123,15 @@ class _BatchNorm(Module):
                     self._running(self.running_var, bshape, dtype),
                 )
                 xc = x - mean
-            y = xc * (1.0 / F.sqrt(var + self.eps))
+            y = xc * (1.0 / R.sqrt(var + self.eps))
             if self.weight is not None and self.bias is not None:
-                y = y * F.reshape(self.weight, bshape) + F.reshape(self.bias, bshape)
+                y = y * R.reshape(self.weight, bshape) + R.reshape(self.bias, bshape)
         return y
 
     @staticmethod
     def _running(p: Param, bshape: tuple[int, ...], dtype: np.dtype) -> Tensor:
-        t = F.reshape(p, bshape)
-        return t if p.dtype == dtype else F.astype(t, dtype)
+        t = R.reshape(p, bshape)
+        return t if p.dtype == dtype else R.astype(t, dtype)
 
     def _update_running_stats(self, s: Session, mean: Tensor, var: Tensor, n: int) -> None:
         """PyTorch's update: ``r <- (1 - f) r + f * batch``, unbiased batch variance, ``f`` = momentum or 1/count.
@@ -138,11 +144,11 @@ class _BatchNorm(Module):
         # no_grad: the statistics are not part of any gradient; keep_dtypes: no cast to the compute dtype
         with s.no_grad(), keep_dtypes():
             new_count = s.use(count) + 1
-            f: Tensor | float = self.momentum if self.momentum is not None else 1.0 / F.astype(new_count, rm.dtype)
-            m = F.reshape(mean, (self.num_features,))
-            v = F.reshape(var, (self.num_features,)) * (n / (n - 1))
+            f: Tensor | float = self.momentum if self.momentum is not None else 1.0 / R.astype(new_count, rm.dtype)
+            m = R.reshape(mean, (self.num_features,))
+            v = R.reshape(var, (self.num_features,)) * (n / (n - 1))
             if m.dtype != rm.dtype:
-                m, v = F.astype(m, rm.dtype), F.astype(v, rm.dtype)
+                m, v = R.astype(m, rm.dtype), R.astype(v, rm.dtype)
             new_mean = s.use(rm) * (1.0 - f) + m * f
             new_var = s.use(rv) * (1.0 - f) + v * f
             s.assign_state(rm, new_mean)
@@ -194,3 +200,126 @@ class BatchNorm2d(_BatchNorm):
 
     _ranks = (4,)
     _layout = "(N, C, H, W)"
+
+
+def _normalized(name: str, shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        return (int(shape),)
+    out = tuple(int(d) for d in shape)
+    if not out:
+        raise ValueError(f"{name}: normalized_shape must name at least one dimension, got {shape!r}")
+    return out
+
+
+class LayerNorm(Module):
+    """Layer normalization over the trailing ``normalized_shape``, as ``torch.nn.LayerNorm``.
+
+    ``weight`` (ones) and ``bias`` (zeros) have ``normalized_shape``;
+    ``elementwise_affine=False`` has neither, ``bias=False`` no bias.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> ln = tfl.nn.LayerNorm(4)
+    >>> with tfl.Session() as s:
+    ...     y = ln(s.input(jnp.arange(8.0).reshape(2, 4)))
+    ...     [round(v, 3) for v in y.value[0].tolist()]
+    [-1.342, -0.447, 0.447, 1.342]
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: object = None,
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        dt = factory_dtype(device, dtype, "LayerNorm")
+        self.normalized_shape = _normalized("LayerNorm", normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        shape = self.normalized_shape
+        self.weight: Param | None = Param(np.ones(shape, dt), name="weight") if elementwise_affine else None
+        has_bias = elementwise_affine and bias
+        self.bias: Param | None = Param(np.zeros(shape, dt), name="bias") if has_bias else None
+
+    def forward(self, input: Operand) -> Tensor:
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class GroupNorm(Module):
+    """Group normalization of ``(N, C, *)`` input over ``num_groups`` channel groups, as ``torch.nn.GroupNorm``.
+
+    ``weight`` (ones) and ``bias`` (zeros) are per channel, ``(num_channels,)``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> gn = tfl.nn.GroupNorm(2, 4)
+    >>> with tfl.Session() as s:
+    ...     gn(s.input(jnp.arange(16.0).reshape(2, 4, 2))).shape
+    (2, 4, 2)
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        device: object = None,
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        dt = factory_dtype(device, dtype, "GroupNorm")
+        self.num_groups, self.num_channels = int(num_groups), int(num_channels)
+        if self.num_groups < 1 or self.num_channels % self.num_groups:
+            raise ValueError(
+                f"GroupNorm: num_channels={num_channels} must be divisible by num_groups={num_groups} (>= 1)"
+            )
+        self.eps = float(eps)
+        self.affine = bool(affine)
+        c = (self.num_channels,)
+        self.weight: Param | None = Param(np.ones(c, dt), name="weight") if self.affine else None
+        self.bias: Param | None = Param(np.zeros(c, dt), name="bias") if self.affine else None
+
+    def forward(self, input: Operand) -> Tensor:
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class RMSNorm(Module):
+    """Root-mean-square normalization over the trailing ``normalized_shape``, as ``torch.nn.RMSNorm``.
+
+    ``eps=None`` is the input dtype's machine epsilon, as PyTorch; ``weight``
+    (ones, ``normalized_shape``) unless ``elementwise_affine=False``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     [round(v, 4) for v in tfl.nn.RMSNorm(2)(s.input(jnp.array([3.0, 4.0]))).tolist()]
+    [0.8485, 1.1314]
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: object = None,
+        dtype: DTypeLike | None = None,
+    ) -> None:
+        dt = factory_dtype(device, dtype, "RMSNorm")
+        self.normalized_shape = _normalized("RMSNorm", normalized_shape)
+        self.eps = None if eps is None else float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.weight: Param | None = (
+            Param(np.ones(self.normalized_shape, dt), name="weight") if elementwise_affine else None
+        )
+
+    def forward(self, input: Operand) -> Tensor:
+        return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
