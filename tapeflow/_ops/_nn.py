@@ -317,6 +317,39 @@ def _mse_vjp(g: Array, out: Array, pred: Array, target: Array, reduction: str) -
     return gd, -gd
 
 
+# --------------------------------------------------------------------------- linear_t
+
+
+def _linear_t_check(specs: tuple[Spec, ...]) -> str | None:
+    if err := float_check(specs):
+        return err
+    x, w = specs[0][0], specs[1][0]
+    if len(x) < 1 or len(w) != 2:
+        return f"expects input of rank >= 1 and weight of shape (out_features, in_features); got input{x}, weight{w}"
+    if x[-1] != w[1]:
+        return f"input has {x[-1]} features but weight expects {w[1]} (weight shape (out, in) = {w})"
+    if len(specs) == 3 and specs[2][0] not in ((w[0],), ()):
+        return f"bias must have shape ({w[0]},) (one value per output feature), got {specs[2][0]}"
+    return None
+
+
+@op("linear_t", arity=(2, 3), check=_linear_t_check, public=False)
+def linear_t(x: Array, w: Array, b: Array = None) -> Array:
+    """``x @ w.T + b`` with ``w`` of shape ``(out, in)`` (PyTorch's layout) and an optional bias ``b`` of shape ``(out,)``."""
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return y if b is None else y + b
+
+
+@linear_t.defvjp
+def _linear_t_vjp(g: Array, out: Array, x: Array, w: Array, b: Array = None) -> tuple[Array, ...]:
+    gx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (0,)), ((), ())))  # g @ w
+    lead = tuple(range(x.ndim - 1))
+    gw = jax.lax.dot_general(g, x, ((lead, lead), ((), ())))  # g.T @ x over every leading axis: (out, in)
+    if b is None:
+        return gx, gw
+    return gx, gw, unbroadcast(g, b.shape)
+
+
 # --------------------------------------------------------------------------- conv2d
 
 

@@ -3,18 +3,869 @@
 Each function takes PyTorch's arguments (layouts too: ``conv2d`` weights are
 ``(out, in / groups, kh, kw)``, ``linear`` weights ``(out, in)``, class
 scores on dimension 1 for ``cross_entropy``) and records built-in ops, or a
-lifted JAX function, on its operands' session.
+lifted JAX function, on its operands' session. Where PyTorch returns int64 or
+float64, tapeflow returns int32 or float32 (JAX runs without x64).
+
+>>> import jax.numpy as jnp, tapeflow as tfl
+>>> import tapeflow.nn.functional as F
+>>> with tfl.Session() as s:
+...     x = s.input(jnp.ones((2, 3, 8)))
+...     F.conv1d(x, jnp.ones((4, 3, 3)), padding="same").shape, F.linear(x, jnp.ones((5, 8))).shape
+((2, 4, 8), (2, 3, 5))
 """
 
 from __future__ import annotations
 
-from ._surface import torch_entry
-from ._tensor import Operand, Tensor, apply
+import builtins
+import math
+from collections.abc import Sequence
+from typing import cast
 
-__all__ = ["relu"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core._result import TapeError
+from .._core._typing import Array, Shape
+from . import _functions
+from ._extend import lift
+from ._surface import torch_entry
+from ._tensor import Operand, Tensor, apply, session_of
+
+__all__ = [
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "conv1d",
+    "conv2d",
+    "conv_transpose2d",
+    "dropout",
+    "embedding",
+    "group_norm",
+    "layer_norm",
+    "linear",
+    "max_pool1d",
+    "max_pool2d",
+    "relu",
+    "rms_norm",
+    "scaled_dot_product_attention",
+]
+
+IntOrTuple = int | Sequence[int]
+"""PyTorch's ``_size_any_t``: one int for every spatial dimension, or one per dimension."""
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _shape(x: Operand) -> Shape:
+    got = getattr(x, "shape", None)
+    return tuple(np.shape(np.asarray(x)) if got is None else got)
+
+
+def _dtype(x: Operand) -> np.dtype:
+    got = getattr(x, "dtype", None)
+    return np.dtype(np.asarray(x).dtype if got is None else got)
+
+
+def _is_float(x: Operand) -> bool:
+    return bool(jnp.issubdtype(_dtype(x), jnp.floating))
+
+
+def _ints(op: str, name: str, v: object, n: int, least: int) -> tuple[int, ...]:
+    """``v`` (an int, or a sequence of ``n`` ints) as ``n`` ints, each at least ``least``."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        out = (int(v),) * n
+    elif (
+        isinstance(v, (tuple, list))
+        and len(v) in (1, n)
+        and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in v)
+    ):
+        out = tuple(int(a) for a in v) * (n if len(v) == 1 else 1)
+    else:
+        raise TypeError(f"{op}: {name}={v!r} must be an int or a sequence of {n} ints")
+    if builtins.min(out) < least:
+        raise ValueError(f"{op}: {name}={v!r} must be at least {least}")
+    return out
+
+
+def _batched(op: str, x: Operand, spatial: int) -> tuple[Operand, bool]:
+    """``x`` with a batch axis (PyTorch's unbatched ``(C, *spatial)`` input gets one), and whether one was added."""
+    nd = len(_shape(x))
+    if nd == spatial + 2:
+        return x, False
+    if nd == spatial + 1:
+        return apply("expand_dims", x, axis=0), True
+    want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
+    raise ValueError(
+        f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {_shape(x)} ({nd} dimensions)"
+    )
+
+
+def _unbatched(y: Tensor, added: bool) -> Tensor:
+    return apply("squeeze", y, axis=0) if added else y
+
+
+def _float_input(op: str, x: Operand, what: str = "input") -> None:
+    if not _is_float(x):
+        raise TapeError(f"{op}: {what} has dtype {_dtype(x)}, expected a floating dtype; cast it with .float()")
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@torch_entry(bind=("tfl", "F"), records="op:linear_t", opinfo=("nn.functional.linear",))
+def linear(input: Operand, weight: Operand, bias: Operand | None = None) -> Tensor:
+    """``input @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.linear(s.input(jnp.ones((2, 3))), jnp.ones((4, 3)), jnp.ones(4)).tolist()[0]
+    [4.0, 4.0, 4.0, 4.0]
+    """
+    if len(_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
+        y = apply("matmul", input, weight)
+        return y if bias is None else apply("add", y, bias)
+    return apply("linear_t", input, weight) if bias is None else apply("linear_t", input, weight, bias)
+
+
+# --------------------------------------------------------------------------- convolution
+
+
+def _conv_padding(
+    op: str, padding: str | IntOrTuple, k: tuple[int, ...], st: tuple[int, ...], dl: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    """PyTorch's ``padding`` (ints, ``"same"`` or ``"valid"``) as explicit ``(lo, hi)`` pairs per spatial dim."""
+    n = len(k)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return ((0, 0),) * n
+        if padding == "same":
+            if builtins.max(st) != 1:
+                raise ValueError(f'{op}: padding="same" is not supported for strided convolutions (stride={st})')
+            # PyTorch puts the odd extra padding on the high side
+            return tuple(((d * (kk - 1)) // 2, d * (kk - 1) - (d * (kk - 1)) // 2) for kk, d in zip(k, dl))
+        raise ValueError(f'{op}: padding={padding!r} must be "same", "valid", an int or a sequence of {n} ints')
+    return tuple((p, p) for p in _ints(op, "padding", padding, n, 0))
+
+
+def _conv_weight_check(op: str, x: Operand, weight: Operand, spatial: int, groups: int) -> None:
+    ws, xs = _shape(weight), _shape(x)
+    if len(ws) != spatial + 2:
+        raise ValueError(
+            f"{op}: weight must have shape (out_channels, in_channels/groups, {', '.join('k' * spatial)}), got {ws}"
+        )
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups={groups!r} must be a positive int")
+    c = xs[1] if len(xs) == spatial + 2 else xs[0]
+    if ws[1] * groups != c or ws[0] % groups:
+        raise ValueError(
+            f"{op}: input has {c} channels but weight {ws} with groups={groups} expects {ws[1] * groups} "
+            f"(weight is (out_channels, in_channels/groups, ...) and groups must divide out_channels {ws[0]})"
+        )
+
+
+@torch_entry(bind=("F",), records="op:conv2d", opinfo=("nn.functional.conv1d",))
+def conv1d(
+    input: Operand,
+    weight: Operand,
+    bias: Operand | None = None,
+    stride: IntOrTuple = 1,
+    padding: str | IntOrTuple = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> Tensor:
+    """1-D convolution of ``input`` (N, C, L) or (C, L) with ``weight`` (out, C/groups, k), as a 2-D one of height 1.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.conv1d(s.input(jnp.ones((1, 2, 5))), jnp.ones((3, 2, 3)), stride=2).tolist()[0][0]
+    [6.0, 6.0]
+    """
+    _conv_weight_check("conv1d", input, weight, 1, groups)
+    (k,) = _shape(weight)[2:]
+    st = _ints("conv1d", "stride", stride, 1, 1)
+    dl = _ints("conv1d", "dilation", dilation, 1, 1)
+    ((lo, hi),) = _conv_padding("conv1d", padding, (k,), st, dl)
+    x, added = _batched("conv1d", input, 1)
+    x4 = apply("expand_dims", x, axis=2)
+    w4 = apply("expand_dims", weight, axis=2)
+    attrs = {"stride": (1, st[0]), "padding": ((0, 0), (lo, hi)), "dilation": (1, dl[0]), "groups": int(groups)}
+    y = apply("conv2d", x4, w4, **attrs) if bias is None else apply("conv2d", x4, w4, bias, **attrs)
+    return _unbatched(apply("squeeze", y, axis=2), added)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:conv2d", opinfo=("nn.functional.conv2d",))
+def conv2d(
+    input: Operand,
+    weight: Operand,
+    bias: Operand | None = None,
+    stride: IntOrTuple = 1,
+    padding: str | IntOrTuple = 0,
+    dilation: IntOrTuple = 1,
+    groups: int = 1,
+) -> Tensor:
+    """2-D convolution of ``input`` (N, C, H, W) or (C, H, W) with ``weight`` (out, C/groups, kh, kw).
+
+    ``padding`` is an int, a pair, ``"same"`` (stride 1 only; an odd extra pad
+    goes below and right, as PyTorch) or ``"valid"``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.conv2d(s.input(jnp.ones((1, 4, 5, 5))), jnp.ones((6, 2, 3, 3)), groups=2, padding="same").shape
+    (1, 6, 5, 5)
+    """
+    _conv_weight_check("conv2d", input, weight, 2, groups)
+    k = _shape(weight)[2:]
+    st = _ints("conv2d", "stride", stride, 2, 1)
+    dl = _ints("conv2d", "dilation", dilation, 2, 1)
+    pads = _conv_padding("conv2d", padding, k, st, dl)
+    x, added = _batched("conv2d", input, 2)
+    attrs = {"stride": st, "padding": pads, "dilation": dl, "groups": int(groups)}
+    y = apply("conv2d", x, weight, **attrs) if bias is None else apply("conv2d", x, weight, bias, **attrs)
+    return _unbatched(y, added)
+
+
+def _dilate_pad(x: Array, *, config: tuple[tuple[int, int, int], ...]) -> Array:
+    """``x`` spread by ``jax.lax.pad`` (zeros between entries, low/high pads, negative ones crop)."""
+    return jax.lax.pad(x, jnp.zeros((), x.dtype), config)
+
+
+def _transposed_weight(w: Array, *, groups: int) -> Array:
+    """A ``conv_transpose`` weight (in, out/groups, kh, kw) as the flipped ``conv2d`` weight (out, in/groups, kh, kw)."""
+    cin, og, kh, kw = w.shape
+    w = (
+        w.reshape(groups, cin // groups, og, kh, kw)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(groups * og, cin // groups, kh, kw)
+    )
+    return w[:, :, ::-1, ::-1]
+
+
+# The transposed convolution is a stride-1 convolution of the input spread by the stride: both parts have
+# VJPs that XLA's CPU compiler handles for every shape (jax.vjp of lhs_dilation convolutions does not).
+_dilate_pad_op = lift(_dilate_pad, name="torch.nn.functional.conv_transpose2d.spread", static_argnames=("config",))
+_transposed_weight_op = lift(
+    _transposed_weight, name="torch.nn.functional.conv_transpose2d.weight", static_argnames=("groups",)
+)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.conv_transpose2d",))
+def conv_transpose2d(
+    input: Operand,
+    weight: Operand,
+    bias: Operand | None = None,
+    stride: IntOrTuple = 1,
+    padding: IntOrTuple = 0,
+    output_padding: IntOrTuple = 0,
+    groups: int = 1,
+    dilation: IntOrTuple = 1,
+) -> Tensor:
+    """Transposed 2-D convolution of ``input`` (N, C, H, W) with ``weight`` (C, out/groups, kh, kw).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.conv_transpose2d(s.input(jnp.ones((1, 2, 3, 3))), jnp.ones((2, 4, 3, 3)), stride=2, padding=1).shape
+    (1, 4, 5, 5)
+    """
+    op = "conv_transpose2d"
+    ws, xs = _shape(weight), _shape(input)
+    if len(ws) != 4:
+        raise ValueError(f"{op}: weight must have shape (in_channels, out_channels/groups, kh, kw), got {ws}")
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups={groups!r} must be a positive int")
+    st = _ints(op, "stride", stride, 2, 1)
+    dl = _ints(op, "dilation", dilation, 2, 1)
+    pd = _ints(op, "padding", padding, 2, 0)
+    op_ = _ints(op, "output_padding", output_padding, 2, 0)
+    if any(o >= builtins.max(s, d) for o, s, d in zip(op_, st, dl)):
+        raise ValueError(
+            f"{op}: output_padding={op_} must be smaller than either stride {st} or dilation {dl} in each dimension"
+        )
+    c = xs[1] if len(xs) == 4 else xs[0] if len(xs) == 3 else -1
+    if c != ws[0] or ws[0] % groups:
+        raise ValueError(
+            f"{op}: input {xs} has {c} channels but weight {ws} expects {ws[0]} "
+            f"(weight is (in_channels, out_channels/groups, kh, kw); groups={groups} must divide in_channels)"
+        )
+    _float_input(op, input)
+    x, added = _batched(op, input, 2)
+    config = ((0, 0, 0), (0, 0, 0)) + tuple(
+        (d * (k - 1) - p, d * (k - 1) - p + o, s - 1) for k, s, d, p, o in zip(ws[2:], st, dl, pd, op_)
+    )
+    spread = _dilate_pad_op(x, config=config)
+    w = _transposed_weight_op(weight, groups=int(groups))
+    attrs = {"stride": 1, "padding": 0, "dilation": dl, "groups": int(groups)}
+    y = apply("conv2d", spread, w, **attrs) if bias is None else apply("conv2d", spread, w, bias, **attrs)
+    return _unbatched(y, added)
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def _pool_args(
+    op: str, n: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple, dilation: IntOrTuple
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    k = _ints(op, "kernel_size", kernel_size, n, 1)
+    st = (
+        k if stride is None or (isinstance(stride, (list, tuple)) and not stride) else _ints(op, "stride", stride, n, 1)
+    )
+    pd = _ints(op, "padding", padding, n, 0)
+    dl = _ints(op, "dilation", dilation, n, 1)
+    if any(2 * p > kk for p, kk in zip(pd, k)):
+        raise ValueError(f"{op}: padding={pd} should be at most half of the kernel size {k}")
+    return k, st, pd, dl
+
+
+def _pool_out(op: str, size: Shape, k: Shape, st: Shape, pd: Shape, dl: Shape, ceil_mode: bool) -> tuple[int, ...]:
+    """PyTorch's pooled sizes (with ``ceil_mode``, a last window must start inside the input or its left pad)."""
+    out = []
+    for n, kk, s, p, d in zip(size, k, st, pd, dl):
+        span = n + 2 * p - d * (kk - 1) - 1
+        o = (-(-span // s) if ceil_mode else span // s) + 1
+        if ceil_mode and (o - 1) * s >= n + p:
+            o -= 1
+        if o < 1:
+            raise ValueError(
+                f"{op}: the window (kernel_size={k}, dilation={dl}) does not fit the input of spatial size {size} "
+                f"with padding {pd}: the output would be empty"
+            )
+        out.append(o)
+    return tuple(out)
+
+
+def _max_pool(x: Array, *, window: Shape, strides: Shape, pads: tuple[tuple[int, int], ...], dilation: Shape) -> Array:
+    init = np.array(-np.inf, x.dtype)  # a concrete init value lets JAX differentiate the max window
+    full = ((0, 0), (0, 0)) + pads
+    if all(d == 1 for d in dilation):
+        return jax.lax.reduce_window(x, init, jax.lax.max, (1, 1) + window, (1, 1) + strides, full)
+    # JAX has no VJP for dilated max windows: gather each window's taps, and take the first maximum (PyTorch's)
+    xp = jax.lax.pad(x, init, tuple((lo, hi, 0) for lo, hi in full))
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(xp.shape[2:], window, strides, dilation)]
+    taps = []
+    for offs in np.ndindex(*window):
+        start = (0, 0) + tuple(o * d for o, d in zip(offs, dilation))
+        stop = xp.shape[:2] + tuple(b + (m - 1) * s + 1 for b, m, s in zip(start[2:], out, strides))
+        taps.append(jax.lax.slice(xp, start, stop, (1, 1) + strides))
+    stacked = jnp.stack(taps)
+    first = jnp.argmax(stacked, axis=0)
+    return jnp.take_along_axis(stacked, first[None], axis=0)[0]
+
+
+def _avg_pool(
+    x: Array,
+    *,
+    window: Shape,
+    strides: Shape,
+    pads: tuple[tuple[int, int], ...],
+    divisor: int | None,
+    include_pad: bool,
+) -> Array:
+    """Sums over windows, divided as PyTorch's ``avg_pool``: by ``divisor``, else by the window's count of entries.
+
+    ``pads`` holds per spatial dim ``(padding, padding + ceil extra)``: the count includes the padding
+    when ``include_pad``, but never the extra cells ``ceil_mode`` adds past the padded input.
+    """
+    zero = np.zeros((), x.dtype)
+    full = ((0, 0), (0, 0)) + pads
+    dims, strd = (1, 1) + window, (1, 1) + strides
+    s = jax.lax.reduce_window(x, zero, jax.lax.add, dims, strd, full)
+    if divisor is not None:
+        return s / np.asarray(divisor, x.dtype)
+    spatial = x.shape[2:]
+    if include_pad:
+        ones = np.ones(tuple(n + 2 * p for n, (p, _) in zip(spatial, pads)), x.dtype)
+        cfg = tuple((0, hi - p, 0) for p, hi in pads)
+    else:
+        ones = np.ones(spatial, x.dtype)
+        cfg = tuple((p, hi, 0) for p, hi in pads)
+    counts = jax.lax.reduce_window(jax.lax.pad(ones, zero, cfg), zero, jax.lax.add, window, strides, "VALID")
+    return s / counts
+
+
+_max_pool_op = lift(
+    _max_pool, name="torch.nn.functional.max_pool", static_argnames=("window", "strides", "pads", "dilation")
+)
+_avg_pool_op = lift(
+    _avg_pool,
+    name="torch.nn.functional.avg_pool",
+    static_argnames=("window", "strides", "pads", "divisor", "include_pad"),
+)
+
+
+def _max_pool_nd(
+    op: str,
+    n: int,
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None,
+    padding: IntOrTuple,
+    dilation: IntOrTuple,
+    ceil_mode: bool,
+    return_indices: bool,
+) -> Tensor:
+    if return_indices:
+        raise NotImplementedError(
+            f"{op}: return_indices=True is not supported (tapeflow has no max_unpool); "
+            "take the argmax of unfolded windows if you need the positions"
+        )
+    k, st, pd, dl = _pool_args(op, n, kernel_size, stride, padding, dilation)
+    x, added = _batched(op, input, n)
+    _float_input(op, x)
+    size = _shape(x)[2:]
+    out = _pool_out(op, size, k, st, pd, dl, bool(ceil_mode))
+    if n == 1:
+        x = apply("expand_dims", x, axis=2)
+        k, st, pd, dl, size, out = (1, *k), (1, *st), (0, *pd), (1, *dl), (1, *size), (1, *out)
+    if all(d == 1 for d in dl) and out == tuple((m + 2 * p - kk) // s + 1 for m, p, kk, s in zip(size, pd, k, st)):
+        y = apply("max_pool2d", x, kernel_size=k, stride=st, padding=pd)
+    else:
+        hi = tuple((o - 1) * s + d * (kk - 1) + 1 - m - p for o, s, d, kk, m, p in zip(out, st, dl, k, size, pd))
+        y = _max_pool_op(x, window=k, strides=st, pads=tuple(zip(pd, hi)), dilation=dl)
+    if n == 1:
+        y = apply("squeeze", y, axis=2)
+    return _unbatched(y, added)
+
+
+@torch_entry(bind=("F",), records="op:max_pool2d", opinfo=("nn.functional.max_pool1d",))
+def max_pool1d(
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None = None,
+    padding: IntOrTuple = 0,
+    dilation: IntOrTuple = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Tensor:
+    """Max over windows of ``input`` (N, C, L) or (C, L); ``stride`` defaults to ``kernel_size``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.max_pool1d(s.input(jnp.arange(5.0).reshape(1, 1, 5)), 2, ceil_mode=True).tolist()
+    [[[1.0, 3.0, 4.0]]]
+    """
+    return _max_pool_nd("max_pool1d", 1, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:max_pool2d", opinfo=("nn.functional.max_pool2d",))
+def max_pool2d(
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None = None,
+    padding: IntOrTuple = 0,
+    dilation: IntOrTuple = 1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+) -> Tensor:
+    """Max over windows of ``input`` (N, C, H, W) or (C, H, W); ``stride`` defaults to ``kernel_size``.
+
+    Padding is ``-inf``. ``return_indices=True`` is refused. The built-in
+    ``max_pool2d`` op records the plain cases, a lifted window reduction the
+    ones with ``dilation`` or ``ceil_mode``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.max_pool2d(s.input(jnp.arange(16.0).reshape(1, 1, 4, 4)), 2).tolist()
+    [[[[5.0, 7.0], [13.0, 15.0]]]]
+    """
+    return _max_pool_nd("max_pool2d", 2, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
+def _avg_pool_nd(
+    op: str,
+    n: int,
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None,
+    padding: IntOrTuple,
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Tensor:
+    k, st, pd, _ = _pool_args(op, n, kernel_size, stride, padding, 1)
+    if divisor_override is not None and (not isinstance(divisor_override, int) or divisor_override == 0):
+        raise ValueError(f"{op}: divisor_override={divisor_override!r} must be None or a non-zero int")
+    x, added = _batched(op, input, n)
+    _float_input(op, x)
+    size = _shape(x)[2:]
+    out = _pool_out(op, size, k, st, pd, (1,) * n, bool(ceil_mode))
+    if n == 1:
+        x = apply("expand_dims", x, axis=2)
+        k, st, pd, size, out = (1, *k), (1, *st), (0, *pd), (1, *size), (1, *out)
+    floor = tuple((m + 2 * p - kk) // s + 1 for m, p, kk, s in zip(size, pd, k, st))
+    if divisor_override is None and out == floor and (count_include_pad or not any(pd)):
+        y = apply("avg_pool2d", x, kernel_size=k, stride=st, padding=pd)
+    else:
+        hi = tuple(builtins.max((o - 1) * s + kk - m - p, p) for o, s, kk, m, p in zip(out, st, k, size, pd))
+        y = _avg_pool_op(
+            x,
+            window=k,
+            strides=st,
+            pads=tuple(zip(pd, hi)),
+            divisor=divisor_override,
+            include_pad=bool(count_include_pad),
+        )
+    if n == 1:
+        y = apply("squeeze", y, axis=2)
+    return _unbatched(y, added)
+
+
+@torch_entry(bind=("F",), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool1d",))
+def avg_pool1d(
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None = None,
+    padding: IntOrTuple = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+) -> Tensor:
+    """Mean over windows of ``input`` (N, C, L) or (C, L); ``stride`` defaults to ``kernel_size``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.avg_pool1d(s.input(jnp.arange(4.0).reshape(1, 1, 4)), 2).tolist()
+    [[[0.5, 2.5]]]
+    """
+    return _avg_pool_nd("avg_pool1d", 1, input, kernel_size, stride, padding, ceil_mode, count_include_pad, None)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool2d",))
+def avg_pool2d(
+    input: Operand,
+    kernel_size: IntOrTuple,
+    stride: IntOrTuple | None = None,
+    padding: IntOrTuple = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Tensor:
+    """Mean over windows of ``input`` (N, C, H, W) or (C, H, W); ``stride`` defaults to ``kernel_size``.
+
+    The divisor is ``divisor_override``, else the window's size counting the
+    zero padding (``count_include_pad=True``) or only the input's entries.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.avg_pool2d(s.input(jnp.ones((1, 1, 3, 3))), 2, padding=1, count_include_pad=False).tolist()
+    [[[[1.0, 1.0], [1.0, 1.0]]]]
+    """
+    return _avg_pool_nd(
+        "avg_pool2d", 2, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+def _adaptive_matrix(n: int, out: int) -> np.ndarray:
+    """The (out, n) averaging matrix of PyTorch's adaptive pooling bins ``[floor(i n / out), ceil((i+1) n / out))``."""
+    a = np.zeros((out, n), np.float32)
+    for i in range(out):
+        lo, hi = (i * n) // out, -(-((i + 1) * n) // out)
+        a[i, lo:hi] = 1.0 / (hi - lo)
+    return a
+
+
+def _adaptive_sizes(op: str, output_size: int | Sequence[int | None] | None, size: Shape) -> tuple[int, ...]:
+    n = len(size)
+    given: list[int | None] = (
+        list(output_size) if isinstance(output_size, (tuple, list)) else [cast("int | None", output_size)] * n
+    )
+    if len(given) != n:
+        raise ValueError(f"{op}: output_size={output_size!r} must be an int or a sequence of {n}")
+    out = tuple(m if o is None else int(o) for o, m in zip(given, size))
+    if builtins.min(out) < 1:
+        raise ValueError(f"{op}: output_size={output_size!r} must be positive")
+    return out
+
+
+@torch_entry(bind=("F",), records="ops:matmul", opinfo=("nn.functional.adaptive_avg_pool1d",))
+def adaptive_avg_pool1d(input: Operand, output_size: int | Sequence[int]) -> Tensor:
+    """Mean over ``output_size`` bins along the last dimension of ``input`` (N, C, L) or (C, L), as PyTorch's bins.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.adaptive_avg_pool1d(s.input(jnp.arange(5.0).reshape(1, 5)), 2).tolist()
+    [[1.0, 3.0]]
+    """
+    xs = _shape(input)
+    if len(xs) not in (2, 3):
+        raise ValueError(f"adaptive_avg_pool1d: input must be (N, C, L) or (C, L), got shape {xs}")
+    _float_input("adaptive_avg_pool1d", input)
+    (o,) = _adaptive_sizes("adaptive_avg_pool1d", output_size, xs[-1:])
+    a = _adaptive_matrix(xs[-1], o).T.astype(_dtype(input))
+    return apply("matmul", input, a)
+
+
+@torch_entry(bind=("F",), records="ops:matmul", opinfo=("nn.functional.adaptive_avg_pool2d",))
+def adaptive_avg_pool2d(input: Operand, output_size: int | Sequence[int | None] | None) -> Tensor:
+    """Mean over an ``output_size`` grid of bins of ``input`` (N, C, H, W) or (C, H, W) (None keeps a size).
+
+    Recorded as two matmuls with constant averaging matrices (the bins are separable).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.adaptive_avg_pool2d(s.input(jnp.ones((2, 3, 5, 7))), 1).shape
+    (2, 3, 1, 1)
+    """
+    xs = _shape(input)
+    if len(xs) not in (3, 4):
+        raise ValueError(f"adaptive_avg_pool2d: input must be (N, C, H, W) or (C, H, W), got shape {xs}")
+    _float_input("adaptive_avg_pool2d", input)
+    oh, ow = _adaptive_sizes("adaptive_avg_pool2d", output_size, xs[-2:])
+    dt = _dtype(input)
+    if (oh, ow) == (1, 1):  # global average pooling: one reduction
+        return apply("mean", input, axis=(-2, -1), keepdims=True)
+    if (oh, ow) == xs[-2:]:
+        return apply("reshape", input, shape=xs)
+    if ow == xs[-1]:
+        return apply("matmul", _adaptive_matrix(xs[-2], oh).astype(dt), input)
+    y = apply("matmul", input, _adaptive_matrix(xs[-1], ow).T.astype(dt))
+    return y if oh == xs[-2] else apply("matmul", _adaptive_matrix(xs[-2], oh).astype(dt), y)
+
+
+# --------------------------------------------------------------------------- embedding and normalization
+
+
+@torch_entry(bind=("F",), records="ops:gather,where,stop_gradient", opinfo=("nn.functional.embedding",))
+def embedding(
+    input: Operand,
+    weight: Operand,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
+    """Rows of ``weight`` (num_embeddings, dim) at the integer ``input`` indices; ``padding_idx``'s row gets no gradient.
+
+    ``max_norm`` (which rewrites rows of the weight in place in PyTorch) and
+    ``scale_grad_by_freq`` are refused; ``sparse=True`` gives the same dense gradient.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.embedding(s.input(jnp.array([[0, 2]])), jnp.arange(6.0).reshape(3, 2)).tolist()
+    [[[0.0, 1.0], [4.0, 5.0]]]
+    """
+    if max_norm is not None:
+        raise NotImplementedError(
+            "embedding: max_norm is not supported (PyTorch renormalizes the weight's rows in place); "
+            "renormalize the weight yourself before the lookup, e.g. w / clamp(norm(w, dim=1), min=max_norm)"
+        )
+    if scale_grad_by_freq:
+        raise NotImplementedError("embedding: scale_grad_by_freq=True is not supported; pass False")
+    ws = _shape(weight)
+    if len(ws) != 2:
+        raise ValueError(f"embedding: weight must have shape (num_embeddings, embedding_dim), got {ws}")
+    if not jnp.issubdtype(_dtype(input), jnp.integer):
+        raise TypeError(f"embedding: input must hold integer indices, got dtype {_dtype(input)}")
+    rows = apply("gather", weight, input)
+    if padding_idx is None:
+        return rows
+    if not -ws[0] <= padding_idx < ws[0]:
+        raise ValueError(f"embedding: padding_idx={padding_idx} must be within num_embeddings ({ws[0]})")
+    pad = apply("expand_dims", apply("eq", input, padding_idx % ws[0]), axis=-1)
+    return apply("where", pad, apply("stop_gradient", rows), rows)
+
+
+def _normalized_axes(op: str, input: Operand, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    ns = (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
+    xs = _shape(input)
+    if not ns or len(ns) > len(xs) or xs[len(xs) - len(ns) :] != ns:
+        raise ValueError(f"{op}: normalized_shape={list(ns)} must be the trailing dimensions of the input's shape {xs}")
+    return tuple(range(-len(ns), 0))
+
+
+@torch_entry(bind=("tfl", "F"), records="op:layer_norm", opinfo=("nn.functional.layer_norm",))
+def layer_norm(
+    input: Operand,
+    normalized_shape: int | Sequence[int],
+    weight: Operand | None = None,
+    bias: Operand | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Normalize over the trailing ``normalized_shape`` dims (biased variance), then ``* weight + bias``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     [round(v, 4) for v in tfl.layer_norm(s.input(jnp.array([[1.0, 3.0]])), (2,)).tolist()[0]]
+    [-1.0, 1.0]
+    """
+    axes = _normalized_axes("layer_norm", input, normalized_shape)
+    axis = axes[0] if len(axes) == 1 else axes
+    if weight is None:
+        y = apply("layer_norm", input, axis=axis, eps=float(eps))
+        return y if bias is None else apply("add", y, bias)
+    if bias is None:
+        return apply("layer_norm", input, weight, axis=axis, eps=float(eps))
+    return apply("layer_norm", input, weight, bias, axis=axis, eps=float(eps))
+
+
+@torch_entry(bind=("F",), records="ops:reshape,layer_norm,mul,add", opinfo=("nn.functional.group_norm",))
+def group_norm(
+    input: Operand, num_groups: int, weight: Operand | None = None, bias: Operand | None = None, eps: float = 1e-5
+) -> Tensor:
+    """Normalize ``input`` (N, C, *) over each of ``num_groups`` channel groups, then per-channel ``* weight + bias``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.group_norm(s.input(jnp.arange(8.0).reshape(1, 4, 2)), 2).shape
+    (1, 4, 2)
+    """
+    xs = _shape(input)
+    if len(xs) < 2 or not isinstance(num_groups, int) or num_groups < 1 or xs[1] % num_groups:
+        raise ValueError(f"group_norm: input {xs} must be (N, C, *) with C divisible by num_groups={num_groups!r}")
+    _float_input("group_norm", input)
+    y = apply("reshape", input, shape=(xs[0], num_groups, -1))
+    y = apply("reshape", apply("layer_norm", y, axis=-1, eps=float(eps)), shape=xs)
+    per_channel = (xs[1],) + (1,) * (len(xs) - 2)
+    if weight is not None:
+        y = apply("mul", y, apply("reshape", weight, shape=per_channel))
+    if bias is not None:
+        y = apply("add", y, apply("reshape", bias, shape=per_channel))
+    return y
+
+
+@torch_entry(bind=("F",), records="ops:mul,mean,add,sqrt,div", opinfo=("nn.functional.rms_norm",))
+def rms_norm(
+    input: Operand, normalized_shape: int | Sequence[int], weight: Operand | None = None, eps: float | None = None
+) -> Tensor:
+    """``input / sqrt(mean(input**2) + eps) * weight`` over the trailing ``normalized_shape`` dims.
+
+    ``eps`` defaults to the input dtype's machine epsilon, as PyTorch.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     [round(v, 4) for v in F.rms_norm(s.input(jnp.array([[3.0, 4.0]])), [2]).tolist()[0]]
+    [0.8485, 1.1314]
+    """
+    axes = _normalized_axes("rms_norm", input, normalized_shape)
+    _float_input("rms_norm", input)
+    e = float(jnp.finfo(_dtype(input)).eps) if eps is None else float(eps)
+    ms = apply("mean", apply("mul", input, input), axis=axes, keepdims=True)
+    y = apply("div", input, apply("sqrt", apply("add", ms, e)))
+    return y if weight is None else apply("mul", y, weight)
+
+
+# --------------------------------------------------------------------------- dropout and attention
+
+
+@torch_entry(bind=("tfl", "F"), records="ops:where,mul", opinfo=("nn.functional.dropout",))
+def dropout(input: Operand, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """Zero each entry with probability ``p`` and scale the rest by ``1 / (1 - p)``; the identity unless ``training``.
+
+    The mask is drawn from the session's seeded RNG (one counter step per call).
+    As PyTorch, ``training`` defaults to True: pass ``training=False`` (or use
+    :class:`tfl.nn.Dropout`, which follows the module's mode) at evaluation.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session(seed=0) as s:
+    ...     x = s.input(jnp.ones(4))
+    ...     tfl.dropout(x, 0.5, training=False).tolist(), sorted(set(tfl.dropout(x).tolist())) <= [0.0, 2.0]
+    ([1.0, 1.0, 1.0, 1.0], True)
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"dropout: probability has to be between 0 and 1, but got p={p!r}")
+    if not training:  # the input itself, as PyTorch (a Param or an array: recorded, keeping its gradient)
+        return input if isinstance(input, Tensor) else apply("reshape", input, shape=_shape(input))
+    if float(p) == 1.0:
+        _float_input("dropout", input)
+        return apply("mul", input, 0.0)  # PyTorch's p=1: every entry dropped (NaN stays NaN, as input * 0)
+    # _functions.dropout is the one home of the mask draw; it takes any operand, as every op function does
+    return _functions.dropout(cast(Tensor, input), float(p), training=True)
+
+
+def _float_mask_attention(
+    q: Array, k: Array, v: Array, mask: Array, keep: Array = None, *, scale: float, dropout: float
+) -> Array:
+    s = (q @ jnp.swapaxes(k, -1, -2)) * jnp.asarray(scale, q.dtype) + mask
+    top = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.exp(s - jnp.where(jnp.isfinite(top), top, jnp.zeros((), s.dtype)))
+    den = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(den > 0, den, jnp.ones((), s.dtype))  # a row masked everywhere (-inf) attends to nothing
+    if keep is not None:
+        p = jnp.where(keep, p / jnp.asarray(1.0 - dropout, p.dtype), jnp.zeros((), p.dtype))
+    return p @ v
+
+
+_float_mask_attention_op = lift(
+    _float_mask_attention,
+    name="torch.nn.functional.scaled_dot_product_attention.additive",
+    static_argnames=("scale", "dropout"),
+)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:attention", opinfo=("nn.functional.scaled_dot_product_attention",))
+def scaled_dot_product_attention(
+    query: Operand,
+    key: Operand,
+    value: Operand,
+    attn_mask: Operand | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``softmax(query @ key^T * scale + mask) @ value``, with PyTorch's masks, causal flag and dropout.
+
+    ``attn_mask`` is boolean (True = attend) or a float mask added to the
+    scores; ``is_causal`` keeps key ``j`` for query ``i`` when ``j <= i``.
+    ``dropout_p`` drops attention weights whenever it is non-zero (PyTorch's
+    function has no training flag). A query row that attends to no key gives
+    zeros, as PyTorch's. ``enable_gqa`` repeats the key/value heads to match the query's.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     q = s.input(jnp.ones((1, 2, 3, 4)))
+    ...     tfl.scaled_dot_product_attention(q, q, q, is_causal=True).shape
+    (1, 2, 3, 4)
+    """
+    op = "scaled_dot_product_attention"
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"{op}: pass attn_mask or is_causal=True, not both (fold the causal mask into attn_mask)")
+    qs, ks, vs = _shape(query), _shape(key), _shape(value)
+    if enable_gqa and len(qs) >= 3 and ks[-3] != qs[-3]:
+        if qs[-3] % ks[-3] or ks[-3] != vs[-3]:
+            raise ValueError(
+                f"{op}: enable_gqa needs the query heads ({qs[-3]}) to be a multiple of the key/value heads "
+                f"({ks[-3]}, {vs[-3]})"
+            )
+        rep = np.repeat(np.arange(ks[-3]), qs[-3] // ks[-3]).astype(np.int32)
+        key = apply("take", key, rep, axis=len(ks) - 3)
+        value = apply("take", value, rep, axis=len(vs) - 3)
+    if attn_mask is None or _dtype(attn_mask) == np.dtype(bool):
+        return _functions.attention(
+            query, key, value, attn_mask, scale, bool(is_causal), dropout=float(dropout_p), training=True
+        )
+    for name, x in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
+        _float_input(op, x, name)
+    sc = 1.0 / math.sqrt(qs[-1]) if scale is None else float(scale)
+    if not dropout_p:
+        return _float_mask_attention_op(query, key, value, attn_mask, scale=sc, dropout=0.0)
+    s = session_of((query, key, value, attn_mask), op)
+    batch = np.broadcast_shapes(qs[:-2], _shape(key)[:-2], _shape(attn_mask)[:-2])
+    keep = s.bernoulli_mask(batch + (qs[-2], _shape(key)[-2]), 1.0 - float(dropout_p))
+    return _float_mask_attention_op(query, key, value, attn_mask, keep, scale=sc, dropout=float(dropout_p))
+
+
+# --------------------------------------------------------------------------- activations
 
 
 @torch_entry(bind=("method", "tfl", "F"), records="op:relu", opinfo=("nn.functional.relu",))
 def relu(input: Operand, inplace: bool = False) -> Tensor:
-    """``max(input, 0)`` elementwise (``inplace`` is accepted and ignored: tensors are values)."""
+    """``max(input, 0)`` elementwise (``inplace`` is accepted and ignored: tensors are values).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     tfl.relu(s.input(jnp.array([-1.0, 2.0]))).tolist()
+    [0.0, 2.0]
+    """
     return apply("relu", input)

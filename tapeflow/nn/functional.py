@@ -11,6 +11,42 @@ where it is declared with how it records.
 [0.0, 2.0]
 """
 
-from .._shell._torch_functional import relu
+from .._shell._torch_functional import (
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    avg_pool1d,
+    avg_pool2d,
+    conv1d,
+    conv2d,
+    conv_transpose2d,
+    dropout,
+    embedding,
+    group_norm,
+    layer_norm,
+    linear,
+    max_pool1d,
+    max_pool2d,
+    relu,
+    rms_norm,
+    scaled_dot_product_attention,
+)
 
-__all__ = ["relu"]
+__all__ = [
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "conv1d",
+    "conv2d",
+    "conv_transpose2d",
+    "dropout",
+    "embedding",
+    "group_norm",
+    "layer_norm",
+    "linear",
+    "max_pool1d",
+    "max_pool2d",
+    "relu",
+    "rms_norm",
+    "scaled_dot_product_attention",
+]
