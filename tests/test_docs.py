@@ -173,11 +173,12 @@ def test_functions_stub_is_up_to_date() -> None:
     assert set(_functions.__all__) <= names, "every op function has a stub entry"
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
-    """One strict build of the site, then its HTML: no reST role left, every cross-reference and internal link resolved."""
+@pytest.fixture(scope="module")
+def strict_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One strict build of the site for the module (about 30 s): the process (its log) and the site folder."""
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("strict") / "site"
     proc = subprocess.run(
         [exe, "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
@@ -186,6 +187,20 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         timeout=300,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about MkDocs 2.0
     )
+    return proc, site
+
+
+@pytest.fixture(scope="module")
+def site(strict_build: tuple[subprocess.CompletedProcess[str], Path]) -> Path:
+    """The built site, once the strict build succeeded."""
+    proc, site = strict_build
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
+
+
+def test_mkdocs_build_strict(strict_build: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """One strict build of the site, then its HTML: no reST role left, every cross-reference and internal link resolved."""
+    proc, site = strict_build
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     warnings = [ln for ln in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", ln) or "Could not find" in ln]
@@ -226,7 +241,9 @@ def site_problems(site: Path) -> list[str]:
         html = page.read_text()
         rel = page.relative_to(root)
         problems += [f"{rel}: raw reST role {html[m.start() : m.start() + 40]!r}" for m in ROLE_TEXT.finditer(html)]
-        prose = re.sub(r"<[^>]+>", "", re.sub(r"<pre\b.*?</pre>", "", html, flags=re.S))  # code blocks may index [a][b]
+        # code may index [a][b]: blocks are dropped, and an inline code span counts as one word
+        prose = re.sub(r"<pre\b.*?</pre>", "", html, flags=re.S)
+        prose = re.sub(r"<[^>]+>", "", re.sub(r"<code\b[^>]*>.*?</code>", "code", prose, flags=re.S))
         problems += [f"{rel}: unresolved cross-reference {m.group(0)!r}" for m in UNRESOLVED_REF.finditer(prose)]
         if "<autoref" in html:
             problems.append(f"{rel}: an <autoref> element was left unresolved")
@@ -259,7 +276,7 @@ def test_site_problems_finds_each_kind(tmp_path: Path) -> None:
     (tmp_path / "img.svg").write_text("<svg/>")
     (tmp_path / "index.html").write_text(
         '<a href="api/#tapeflow.leaf">ok</a> <a href="https://example.org/x">external</a> <a href="#top" id="top">top</a>'
-        "<pre><code>a[i][j]</code></pre>"
+        "<pre><code>a[i][j]</code></pre><p>inline <code>out[i][j] = x[index[i][j]][j]</code></p>"
         "<p>See :func:<code>leaf</code>, [<code>nope</code>][tapeflow.nope], <autoref identifier=x>.</p>"
         '<a href="api/#tapeflow.gone">anchor</a> <a href="missing/">page</a> <img src="/img.svg">'
     )
@@ -322,3 +339,173 @@ def test_the_documented_training_loop_draws_a_new_dropout_mask_every_step(page: 
             exec(compile(code, f"{page}[block {i}]", "exec"), ns)
     assert len(masks) >= 2
     assert not any(bool((a == b).all()) for a, b in zip(masks, masks[1:])), f"{page}: a step repeated its mask"
+
+
+# --------------------------------------------------------------------------- the API reference: signatures, Tensor
+
+
+class _ClassSignatures(HTMLParser):
+    """Each class heading of an API page (mkdocstrings' ``doc-class`` blocks) and the signature shown under it.
+
+    ``found`` holds ``(heading id, signature text)``, the text None when the class's contents start with no
+    ``doc-signature`` block between its heading and them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.found: list[tuple[str, str | None]] = []
+        self._class_open = False  # inside a doc-class block, before its heading
+        self._heading: str | None = None  # a class heading waiting for its signature
+        self._depth = 0  # div depth inside the signature block
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        classes = set((a.get("class") or "").split())
+        if self._depth:
+            self._depth += tag == "div"
+        elif tag == "div" and {"doc-object", "doc-class"} <= classes:
+            self._class_open = True
+        elif self._class_open and re.fullmatch(r"h[1-6]", tag) and "doc-heading" in classes:
+            self._class_open, self._heading = False, a.get("id") or ""
+        elif self._heading is not None and tag == "div" and "doc-signature" in classes:
+            self._depth = 1
+        elif self._heading is not None and tag == "div" and "doc-contents" in classes:
+            self.found.append((self._heading, None))
+            self._heading = None
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._depth and tag == "div":
+            self._depth -= 1
+            if not self._depth:
+                self.found.append((self._heading or "", "".join(self._text).strip()))
+                self._heading, self._text = None, []
+
+    def handle_data(self, data: str) -> None:
+        if self._depth:
+            self._text.append(data)
+
+
+def class_signatures(html: str) -> list[tuple[str, str | None]]:
+    """``(heading id, signature or None)`` for every class documented on an API page."""
+    parser = _ClassSignatures()
+    parser.feed(html)
+    parser.close()
+    return parser.found
+
+
+def _runtime(path: str) -> object:
+    return _ext("signatures").runtime(path)
+
+
+def test_class_signatures_reads_a_page() -> None:
+    """The parser pairs each class heading with the signature under it, and notices a class with none."""
+    html = (
+        '<div class="doc doc-object doc-class"><h3 id="tapeflow.nn.Linear" class="doc doc-heading">Linear</h3>'
+        '<div class="language-python doc-signature highlight"><pre><code><span class="nf">Linear</span>'
+        "(\n    in_features, <span>out_features</span>\n)</code></pre></div>"
+        '<div class="doc doc-contents"><div class="doc doc-object doc-function"><h4 id="tapeflow.nn.Linear.forward"'
+        ' class="doc doc-heading">forward</h4><div class="doc-signature"><pre>forward(x)</pre></div></div></div></div>'
+        '<div class="doc doc-object doc-class"><h3 id="tapeflow.Bare" class="doc doc-heading">Bare</h3>'
+        '<div class="doc doc-contents"><p>No signature.</p></div></div>'
+    )
+    assert class_signatures(html) == [
+        ("tapeflow.nn.Linear", "Linear(\n    in_features, out_features\n)"),
+        ("tapeflow.Bare", None),
+    ]
+
+
+def test_every_api_class_shows_its_constructor_signature(site: Path) -> None:
+    """Every class on the API pages shows ``Name(parameters)`` under its heading (``merge_init_into_class``).
+
+    Exception and warning classes are exempt: tapeflow raises them, and Python reports no signature for
+    BaseException's constructor (docs/_ext/signatures.py gives every other class the one Python reports).
+    """
+    pages = sorted((site / "api").rglob("*.html"))
+    assert pages
+    found, missing = 0, []
+    for page in pages:
+        for hid, sig in class_signatures(page.read_text()):
+            obj = _runtime(hid)
+            assert obj is not None, f"{page.relative_to(site)}: class heading {hid!r} names no importable object"
+            if inspect.isclass(obj) and issubclass(obj, BaseException):
+                continue
+            name = hid.rsplit(".", 1)[-1]
+            found += 1
+            if sig is None or not re.match(rf"{re.escape(name)}\(", sig):
+                missing.append(f"{page.relative_to(site)}: {hid} shows {sig!r}")
+    assert found >= 20, f"only {found} classes found on the API pages: has the HTML changed?"
+    assert not missing, "classes without their constructor signature:\n" + "\n".join(missing)
+
+
+def test_linear_shows_pytorchs_constructor(site: Path) -> None:
+    sigs = dict(class_signatures((site / "api" / "nn" / "index.html").read_text()))
+    text = re.sub(r"\s+", " ", sigs["tapeflow.nn.Linear"] or "")
+    assert re.match(r"Linear\( ?in_features: int, out_features: int, .*bias: bool = True", text), text
+
+
+def test_every_public_tensor_member_is_documented(site: Path) -> None:
+    """Each public name of ``dir(tfl.Tensor)`` has its heading on the Tensor page, with its signature and text."""
+    page = (site / "api" / "tensor" / "index.html").read_text()
+    parser = _Anchors()
+    parser.feed(page)
+    public = [n for n in dir(tfl.Tensor) if not n.startswith("_")]
+    assert len(public) > 40
+    absent = [n for n in public if f"tapeflow.Tensor.{n}" not in parser.ids]
+    assert not absent, f"public Tensor members missing from docs/api/tensor.md: {absent}"
+    gen = _ext("gen_surface")
+    undescribed = [n for n in public if not gen._description(gen._doc(n, tfl.Tensor))[0]]
+    assert not undescribed, f"public Tensor members with no description (give them a docstring): {undescribed}"
+
+
+def test_surface_pages_are_up_to_date() -> None:
+    """docs/api/tensor.md and the PyTorch-name tables of docs/from-pytorch.md are what the code generates."""
+    gen = _ext("gen_surface")
+    fix = "run python docs/_ext/gen_surface.py"
+    assert (ROOT / "docs" / "api" / "tensor.md").read_text() == gen.render_tensor(), (
+        f"docs/api/tensor.md is stale: {fix}"
+    )
+    text = (ROOT / "docs" / "from-pytorch.md").read_text()
+    assert text == gen.render_from_pytorch(text), f"the tables of docs/from-pytorch.md are stale: {fix}"
+
+
+def test_from_pytorch_lists_every_surface_entry_and_layer() -> None:
+    """Each surface entry appears in its binding's table, each tfl.nn layer class in the layers table."""
+    from tapeflow._shell import _surface
+
+    text = (ROOT / "docs" / "from-pytorch.md").read_text()
+    generated = text.split(_ext("gen_surface").BEGIN, 1)[1]
+    prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F."}
+    absent = [
+        f"{prefix[b]}{n}" for n, e in _surface.SURFACE.items() for b in e.bind if f"`{prefix[b]}{n}`" not in generated
+    ]
+    assert not absent, f"surface entries missing from docs/from-pytorch.md: {absent}"
+    layers = [n for n in tfl.nn.__all__ if inspect.isclass(c := getattr(tfl.nn, n)) and issubclass(c, tfl.nn.Module)]
+    assert "Linear" in layers
+    assert not [n for n in layers if f"`nn.{n}`" not in generated]
+
+
+def test_gen_surface_writes_calls_a_reader_can_read() -> None:
+    """Signatures: no annotations, defaults by name (never an address), long ones one parameter per line."""
+    gen = _ext("gen_surface")
+
+    def f(input, dim=None, *, dtype=jax.numpy.float32, act=tfl.relu):
+        return input
+
+    text = gen.call("x.f", gen.plain(inspect.signature(f), drop_first=True))
+    assert text == "x.f(dim=None, *, dtype=float32, act=relu)"
+
+    def g(input: object, a_long_parameter_name: int = 1, /, another_long_one: str = "x", *, k: int = 3) -> None:
+        return None
+
+    text = gen.call("x.a_method_with_a_long_name", gen.plain(inspect.signature(g)))
+    assert text.split("\n") == [
+        "x.a_method_with_a_long_name(",
+        "    input,",
+        "    a_long_parameter_name=1,",
+        "    /,",
+        "    another_long_one='x',",
+        "    *,",
+        "    k=3,",
+        ")",
+    ]

@@ -47,6 +47,7 @@ ROOT = DOCS.parent
 ROLE = re.compile(r":(?:py:)?(func|meth|class|attr|data|mod|exc|obj|const):`([^`]+)`")
 FENCE = re.compile(r"^\s*(```|~~~)")
 ENTRY = re.compile(r"^:::\s+(\S+)\s*$")
+ANCHOR = re.compile(r"^#+ .*\{ #(tapeflow\.[\w.]+) \}\s*$", re.M)
 FALLBACK_SCOPES = ("tapeflow", "tapeflow.nn")
 DEFAULT_FILTERS = ["!^_[^_]"]  # mkdocstrings-python's default
 UNRESOLVABLE = (griffe.AliasResolutionError, griffe.CyclicAliasError)  # an alias to something not loaded (jax, optax)
@@ -151,6 +152,9 @@ class Index:
                 self.ids.add(hid)
                 with contextlib.suppress(*UNRESOLVABLE):
                     self.by_target.setdefault(_final(member).path, hid)
+        # headings a generated page gives an identifier itself (docs/api/tensor.md: `### x.sum { #tapeflow.Tensor.sum }`)
+        for page in sorted(DOCS.rglob("*.md")):
+            self.ids.update(ANCHOR.findall(page.read_text()))
 
     def _lookup_path(self, path: str) -> Any:
         parts = path.split(".")

@@ -151,10 +151,10 @@ def markdown_table(binding: Binding) -> str:
     prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F."}[binding]
     rows = ["| name | signature | records | notes |", "|---|---|---|---|"]
     for n, e in entries(binding).items():
-        sig = e.signature
-        if binding in ("method", "property"):
-            sig = sig.replace(parameters=list(sig.parameters.values())[1:])
-        text = str(sig.replace(return_annotation=inspect.Signature.empty)).replace("|", "\\|")
+        params = list(e.signature.parameters.values())[1 if binding in ("method", "property") else 0 :]
+        # the call as PyTorch's docs write it: names and defaults, no annotations
+        plain = [p.replace(annotation=inspect.Parameter.empty) for p in params]
+        text = str(inspect.Signature(plain)).replace("|", "\\|")
         notes = (e.note or e.summary).replace("|", "\\|")
         rows.append(f"| `{prefix}{n}` | `{text}` | {e.records} | {notes} |")
     return "\n".join(rows)
