@@ -5,8 +5,8 @@ session of its own and returns a :class:`Summary`: one :class:`SummaryRow` per
 module (its path, type, the output shape of each of its calls, the size of
 its own direct Params, whether they are trainable, and what they are tied to)
 and the totals. Storage identity decides ties, as everywhere in tapeflow: a
-storage is counted once, at its first path in :meth:`Module.named_parameters
-<tapeflow.nn.Module.named_parameters>`, so the Params column sums to the total.
+storage (a parameter or a buffer) is counted once, at its first path in :meth:`Module.param_dict
+<tapeflow.nn.Module.param_dict>`, so the Params column sums to the total.
 ``print(summary(model, x))`` shows the text table, a notebook shows the HTML one.
 """
 
@@ -170,7 +170,7 @@ def summary(model: Module, *example_inputs: Any, **example_kwargs: Any) -> Summa
     for m, out in calls:
         outputs.setdefault(id(m), []).append(_shape_text(out))
 
-    named = model.named_parameters()
+    named = list(model.param_dict().items())  # parameters and buffers, each storage once at its first path
     first = {id(p.storage): path for path, p in named}
     rows = [_row(path, m, outputs, first, again) for path, m, again in _walk(model)]
     sizes = [(_size(p.storage), p) for _, p in named]
