@@ -37,19 +37,38 @@ __all__ = [
     "adaptive_avg_pool2d",
     "avg_pool1d",
     "avg_pool2d",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
     "conv1d",
     "conv2d",
     "conv_transpose2d",
+    "cosine_similarity",
+    "cross_entropy",
     "dropout",
+    "elu",
     "embedding",
+    "gelu",
     "group_norm",
+    "huber_loss",
+    "interpolate",
+    "kl_div",
+    "l1_loss",
     "layer_norm",
+    "leaky_relu",
     "linear",
     "max_pool1d",
     "max_pool2d",
+    "mse_loss",
+    "nll_loss",
+    "normalize",
+    "one_hot",
+    "pad",
     "relu",
     "rms_norm",
     "scaled_dot_product_attention",
+    "silu",
+    "smooth_l1_loss",
+    "softplus",
 ]
 
 IntOrTuple = int | Sequence[int]
@@ -151,6 +170,9 @@ def _conv_padding(
 
 def _conv_weight_check(op: str, x: Operand, weight: Operand, spatial: int, groups: int) -> None:
     ws, xs = _shape(weight), _shape(x)
+    if len(xs) not in (spatial + 1, spatial + 2):
+        want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
+        raise ValueError(f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {xs}")
     if len(ws) != spatial + 2:
         raise ValueError(
             f"{op}: weight must have shape (out_channels, in_channels/groups, {', '.join('k' * spatial)}), got {ws}"
@@ -869,3 +891,798 @@ def relu(input: Operand, inplace: bool = False) -> Tensor:
     [0.0, 2.0]
     """
     return apply("relu", input)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:gelu", opinfo=("nn.functional.gelu",))
+def gelu(input: Operand, approximate: str = "none") -> Tensor:
+    """GELU: ``input * Phi(input)`` (``approximate="none"``) or its tanh approximation (``"tanh"``).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     round(float(tfl.gelu(s.input(jnp.array(1.0)))), 4)
+    0.8413
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f'gelu: approximate={approximate!r} must be "none" or "tanh"')
+    return apply("gelu", input, approximate=approximate)
+
+
+@torch_entry(bind=("F",), records="ops:sigmoid,mul", opinfo=("nn.functional.silu",))
+def silu(input: Operand, inplace: bool = False) -> Tensor:
+    """``input * sigmoid(input)`` elementwise (``inplace`` is accepted and ignored).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     round(float(F.silu(s.input(jnp.array(1.0)))), 4)
+    0.7311
+    """
+    return apply("mul", input, apply("sigmoid", input))
+
+
+def _elu(x: Array, *, alpha: float) -> Array:
+    neg = jnp.where(x > 0, jnp.zeros((), x.dtype), x)  # expm1 only sees non-positive values: no inf in the gradient
+    return jnp.where(x > 0, x, jnp.asarray(alpha, x.dtype) * jnp.expm1(neg))
+
+
+def _leaky_relu(x: Array, *, negative_slope: float) -> Array:
+    # PyTorch's slope at 0 is the negative one (x > 0 picks the identity)
+    return jnp.where(x > 0, x, x * jnp.asarray(negative_slope, x.dtype))
+
+
+def _softplus(x: Array, *, beta: float, threshold: float) -> Array:
+    bx = x * jnp.asarray(beta, x.dtype)
+    over = bx > threshold
+    soft = jnp.log1p(jnp.exp(jnp.where(over, jnp.zeros((), x.dtype), bx))) / jnp.asarray(beta, x.dtype)
+    return jnp.where(over, x, soft)
+
+
+_elu_op = lift(_elu, name="torch.nn.functional.elu", static_argnames=("alpha",))
+_leaky_relu_op = lift(_leaky_relu, name="torch.nn.functional.leaky_relu", static_argnames=("negative_slope",))
+_softplus_op = lift(_softplus, name="torch.nn.functional.softplus", static_argnames=("beta", "threshold"))
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.elu",))
+def elu(input: Operand, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    """``input`` where positive, else ``alpha * (exp(input) - 1)``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     [round(v, 4) for v in F.elu(s.input(jnp.array([-1.0, 2.0]))).tolist()]
+    [-0.6321, 2.0]
+    """
+    _float_input("elu", input)
+    return _elu_op(input, alpha=float(alpha))
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.leaky_relu",))
+def leaky_relu(input: Operand, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """``input`` where positive, else ``negative_slope * input``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.leaky_relu(s.input(jnp.array([-2.0, 2.0])), 0.5).tolist()
+    [-1.0, 2.0]
+    """
+    _float_input("leaky_relu", input)
+    return _leaky_relu_op(input, negative_slope=float(negative_slope))
+
+
+@torch_entry(bind=("tfl", "F"), records="op:softplus", opinfo=("nn.functional.softplus",))
+def softplus(input: Operand, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """``log(1 + exp(beta * input)) / beta``, and ``input`` itself where ``beta * input > threshold``.
+
+    The defaults record the built-in ``softplus`` op (identical in float32 past the threshold).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     round(float(tfl.softplus(s.input(jnp.array(0.0)))), 4)
+    0.6931
+    """
+    if beta == 1.0 and threshold == 20.0 and _dtype(input) == np.dtype(np.float32):
+        return apply("softplus", input)
+    _float_input("softplus", input)
+    return _softplus_op(input, beta=float(beta), threshold=float(threshold))
+
+
+@torch_entry(bind=("F",), records="ops:expand_dims,eq,astype", opinfo=("nn.functional.one_hot",))
+def one_hot(tensor: Operand, num_classes: int = -1) -> Tensor:
+    """Integer class indices as one-hot rows of ``num_classes`` entries (int32, PyTorch's int64).
+
+    ``num_classes=-1`` reads the values (one more than the largest), so it is
+    refused inside a compiled step; indices are checked to lie in
+    ``[0, num_classes)`` whenever their values exist.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.one_hot(s.input(jnp.array([0, 2]))).tolist()
+    [[1, 0, 0], [0, 0, 1]]
+    """
+    if not jnp.issubdtype(_dtype(tensor), jnp.integer):
+        raise TypeError(f"one_hot: tensor must hold integer class indices, got dtype {_dtype(tensor)}")
+    if not isinstance(num_classes, (int, np.integer)) or num_classes < -1:
+        raise ValueError(f"one_hot: num_classes={num_classes!r} must be -1 (inferred) or a non-negative int")
+    v = tensor.value if isinstance(tensor, Tensor) else np.asarray(tensor)
+    if isinstance(v, jax.core.Tracer):
+        if num_classes == -1:
+            raise TapeError(
+                "one_hot: num_classes=-1 reads the values, which do not exist inside a compiled step; "
+                "pass num_classes explicitly"
+            )
+    else:
+        host = np.asarray(v)
+        if num_classes == -1:
+            if host.size == 0:
+                raise ValueError("one_hot: cannot infer num_classes from an empty tensor; pass num_classes")
+            num_classes = int(host.max()) + 1
+        if host.size and (host.min() < 0 or host.max() >= num_classes):
+            raise ValueError(
+                f"one_hot: class values must lie in [0, num_classes={num_classes}), got values in "
+                f"[{host.min()}, {host.max()}]"
+            )
+    classes = np.arange(int(num_classes), dtype=_dtype(tensor))
+    return apply("astype", apply("eq", apply("expand_dims", tensor, axis=-1), classes), dtype=np.dtype(np.int32))
+
+
+def _pnorm(x: Array, p: float, axis: int) -> Array:
+    """The ``p``-norm over ``axis`` (keepdims) whose gradient at a zero vector is 0, as PyTorch's."""
+    a = jnp.abs(x)
+    if p == math.inf:
+        return jnp.max(a, axis=axis, keepdims=True)
+    if p == 0:
+        return jnp.sum((x != 0).astype(x.dtype), axis=axis, keepdims=True)
+    if p == 1:
+        return jnp.sum(a, axis=axis, keepdims=True)
+    s = jnp.sum(a**p if p != 2 else x * x, axis=axis, keepdims=True)
+    pos = s > 0
+    return jnp.where(pos, jnp.where(pos, s, jnp.ones((), s.dtype)) ** (1.0 / p), jnp.zeros((), s.dtype))
+
+
+def _normalize(x: Array, *, p: float, dim: int, eps: float) -> Array:
+    return x / jnp.maximum(_pnorm(x, p, dim), jnp.asarray(eps, x.dtype))
+
+
+def _cosine_similarity(x1: Array, x2: Array, *, dim: int, eps: float) -> Array:
+    x1, x2 = jnp.broadcast_arrays(x1, x2)
+    e = jnp.asarray(eps, x1.dtype)
+    n1, n2 = _pnorm(x1, 2.0, dim), _pnorm(x2, 2.0, dim)
+    # PyTorch clamps the norms' values without touching their gradients
+    n1 = n1 + jax.lax.stop_gradient(jnp.maximum(n1, e) - n1)
+    n2 = n2 + jax.lax.stop_gradient(jnp.maximum(n2, e) - n2)
+    return jnp.sum((x1 / n1) * (x2 / n2), axis=dim)
+
+
+_normalize_op = lift(_normalize, name="torch.nn.functional.normalize", static_argnames=("p", "dim", "eps"))
+_cosine_similarity_op = lift(
+    _cosine_similarity, name="torch.nn.functional.cosine_similarity", static_argnames=("dim", "eps")
+)
+
+
+def _axis(op: str, dim: int, ndim: int) -> int:
+    n = builtins.max(ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"{op}: dim={dim} is out of range for a tensor with {ndim} dimensions")
+    return dim % n
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.normalize",))
+def normalize(input: Operand, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out: Operand | None = None) -> Tensor:
+    """``input / max(norm_p(input, dim), eps)``: unit ``p``-norm vectors along ``dim``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.normalize(s.input(jnp.array([[3.0, 4.0]]))).tolist()
+    [[0.6000000238418579, 0.800000011920929]]
+    """
+    if out is not None:
+        raise TypeError("normalize: out= is not supported (tensors are values); use the returned tensor")
+    _float_input("normalize", input)
+    d = _axis("normalize", dim, len(_shape(input)))
+    return _normalize_op(input, p=float(p), dim=d, eps=float(eps))
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.cosine_similarity",))
+def cosine_similarity(x1: Operand, x2: Operand, dim: int = 1, eps: float = 1e-8) -> Tensor:
+    """Cosine of the angle between ``x1`` and ``x2`` along ``dim`` (broadcast), norms clamped to ``eps``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.cosine_similarity(s.input(jnp.array([[1.0, 0.0]])), jnp.array([[1.0, 1.0]])).tolist()
+    [0.7071067690849304]
+    """
+    _float_input("cosine_similarity", x1, "x1")
+    _float_input("cosine_similarity", x2, "x2")
+    shape = np.broadcast_shapes(_shape(x1), _shape(x2))
+    d = _axis("cosine_similarity", dim, len(shape))
+    return _cosine_similarity_op(x1, x2, dim=d, eps=float(eps))
+
+
+def _pad(x: Array, *, widths: tuple[tuple[int, int], ...], mode: str, value: float) -> Array:
+    if mode == "constant":
+        return jax.lax.pad(x, jnp.asarray(value, x.dtype), tuple((lo, hi, 0) for lo, hi in widths))
+    return jnp.pad(x, widths, mode={"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[mode])
+
+
+_pad_op = lift(_pad, name="torch.nn.functional.pad", static_argnames=("widths", "mode", "value"))
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.pad",))
+def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> Tensor:
+    """Pad the last ``len(pad) // 2`` dims: ``pad`` is ``(left, right)`` of the last dim, then of the one before, ...
+
+    ``mode`` is ``"constant"`` (``value``, default 0; negative pads crop),
+    ``"reflect"``, ``"replicate"`` or ``"circular"``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.pad(s.input(jnp.array([[1.0, 2.0, 3.0]])), (2, 1), mode="reflect").tolist()
+    [[3.0, 2.0, 1.0, 2.0, 3.0, 2.0]]
+    """
+    xs = _shape(input)
+    pads = list(pad)
+    if len(pads) % 2 or len(pads) // 2 > len(xs) or not all(isinstance(p, (int, np.integer)) for p in pads):
+        raise ValueError(
+            f"pad: pad={tuple(pad)} must be an even number of ints, at most 2 per dimension of the input {xs}"
+        )
+    n = len(pads) // 2
+    widths = [(0, 0)] * (len(xs) - n) + [(int(pads[2 * i]), int(pads[2 * i + 1])) for i in reversed(range(n))]
+    if mode == "constant":
+        for (lo, hi), m in zip(widths, xs):
+            if m + lo + hi < 0:
+                raise ValueError(f"pad: pad={tuple(pad)} crops more than the input {xs} holds")
+        return _pad_op(input, widths=tuple(widths), mode=mode, value=0.0 if value is None else float(value))
+    if mode not in ("reflect", "replicate", "circular"):
+        raise NotImplementedError(
+            f'pad: mode={mode!r} is not supported; use "constant", "reflect", "replicate" or "circular"'
+        )
+    if value is not None:
+        raise ValueError(f'pad: mode "{mode}" does not take a value argument')
+    if len(xs) not in (n + 1, n + 2) or n > 3:
+        raise NotImplementedError(
+            f'pad: mode "{mode}" pads the last 1 to 3 dims of a batched or unbatched input; '
+            f"pad={tuple(pad)} does not fit an input of shape {xs}"
+        )
+    for (lo, hi), m in zip(widths[len(xs) - n :], xs[len(xs) - n :]):
+        if lo < 0 or hi < 0:
+            raise NotImplementedError(f'pad: mode "{mode}" with negative pads is not supported; crop by indexing')
+        limit = m - 1 if mode == "reflect" else m if mode == "circular" else None
+        if limit is not None and builtins.max(lo, hi) > limit:
+            raise ValueError(
+                f'pad: mode "{mode}" pads {(lo, hi)} on a dimension of size {m}: each pad must be at most {limit}'
+            )
+    return _pad_op(input, widths=tuple(widths), mode=mode, value=0.0)
+
+
+def _interp_axis(
+    n: int, out: int, scale_factor: float | None, mode: str, align_corners: bool
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]:
+    """Per output index of one axis: the two source indices and the weight of the second, as PyTorch computes them."""
+    dst = np.arange(out, dtype=np.float32)
+    if mode in ("nearest", "nearest-exact"):
+        scale = np.float32(1.0 / scale_factor) if scale_factor else np.float32(n) / np.float32(out)
+        shift = np.float32(0.5) if mode == "nearest-exact" else np.float32(0.0)
+        i0 = np.minimum(np.floor((dst + shift) * scale).astype(np.int64), n - 1)
+        return tuple(i0.tolist()), tuple(i0.tolist()), (0.0,) * out
+    if align_corners:
+        scale = np.float32((n - 1) / (out - 1)) if out > 1 else np.float32(0.0)
+        src = dst * scale
+    else:
+        scale = np.float32(1.0 / scale_factor) if scale_factor else np.float32(n) / np.float32(out)
+        src = np.maximum(scale * (dst + np.float32(0.5)) - np.float32(0.5), np.float32(0.0))
+    i0 = np.minimum(np.floor(src).astype(np.int64), n - 1)
+    i1 = np.minimum(i0 + 1, n - 1)
+    lam = (src - i0.astype(np.float32)).astype(np.float32)
+    return tuple(i0.tolist()), tuple(i1.tolist()), tuple(float(v) for v in lam)
+
+
+def _interpolate(
+    x: Array, *, axes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]], ...], linear: bool
+) -> Array:
+    # the last spatial axis first, as PyTorch's separable kernels
+    for k in reversed(range(len(axes))):
+        i0, i1, lam = axes[k]
+        ax = x.ndim - len(axes) + k
+        a = jnp.take(x, np.asarray(i0, np.int32), axis=ax)
+        if linear:
+            shape = [1] * x.ndim
+            shape[ax] = len(lam)
+            l1 = np.asarray(lam, np.float32).reshape(shape).astype(x.dtype)
+            b = jnp.take(x, np.asarray(i1, np.int32), axis=ax)
+            a = a * (1 - l1) + b * l1
+        x = a
+    return x
+
+
+_interpolate_op = lift(_interpolate, name="torch.nn.functional.interpolate", static_argnames=("axes", "linear"))
+
+
+@torch_entry(
+    bind=("F",),
+    records="lifted",
+    opinfo=(
+        "nn.functional.interpolate.nearest",
+        "nn.functional.interpolate.bilinear",
+        "nn.functional.interpolate.linear",
+    ),
+)
+def interpolate(
+    input: Operand,
+    size: int | Sequence[int] | None = None,
+    scale_factor: float | Sequence[float] | None = None,
+    mode: str = "nearest",
+    align_corners: bool | None = None,
+    recompute_scale_factor: bool | None = None,
+    antialias: bool = False,
+) -> Tensor:
+    """Resize ``input`` (N, C, L) or (N, C, H, W) to ``size``, or by ``scale_factor``, as PyTorch's sampling.
+
+    ``mode`` is ``"nearest"``, ``"nearest-exact"``, ``"linear"`` (3-D),
+    ``"bilinear"`` (4-D) or ``"area"`` (adaptive average pooling).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.interpolate(s.input(jnp.array([[[0.0, 1.0]]])), scale_factor=2, mode="linear").tolist()
+    [[[0.0, 0.25, 0.75, 1.0]]]
+    """
+    op = "interpolate"
+    xs = _shape(input)
+    spatial = len(xs) - 2
+    if spatial not in (1, 2):
+        raise NotImplementedError(f"{op}: input must be (N, C, L) or (N, C, H, W), got shape {xs}")
+    if antialias:
+        raise NotImplementedError(f"{op}: antialias=True is not supported")
+    linear_modes = {"linear": 1, "bilinear": 2}
+    if mode not in ("nearest", "nearest-exact", "area") and mode not in linear_modes:
+        raise NotImplementedError(
+            f'{op}: mode={mode!r} is not supported; use "nearest", "nearest-exact", "linear", "bilinear" or "area"'
+        )
+    if mode in linear_modes and linear_modes[mode] != spatial:
+        raise ValueError(f'{op}: mode "{mode}" needs a {linear_modes[mode] + 2}-D input, got shape {xs}')
+    if align_corners is not None and mode not in linear_modes:
+        raise ValueError(f"{op}: align_corners only applies to the linear modes, not {mode!r}")
+    if (size is None) == (scale_factor is None):
+        raise ValueError(f"{op}: pass exactly one of size and scale_factor")
+    _float_input(op, input)
+    scales: tuple[float | None, ...]
+    if size is not None:
+        out = _ints(op, "size", size, spatial, 1)
+        scales = (None,) * spatial
+    else:
+        given = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * spatial
+        if len(given) != spatial or not all(isinstance(f, (int, float)) and f > 0 for f in given):
+            raise ValueError(f"{op}: scale_factor={scale_factor!r} must be a positive number or {spatial} of them")
+        sf = [float(cast(float, f)) for f in given]
+        out = tuple(math.floor(m * f) for m, f in zip(xs[2:], sf))
+        scales = (None,) * spatial if recompute_scale_factor else tuple(sf)
+    if mode == "area":
+        return (adaptive_avg_pool1d if spatial == 1 else adaptive_avg_pool2d)(input, out)
+    axes = tuple(_interp_axis(m, o, f, mode, bool(align_corners)) for m, o, f in zip(xs[2:], out, scales))
+    return _interpolate_op(input, axes=axes, linear=mode in linear_modes)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def _reduction(op: str, size_average: bool | None, reduce: bool | None, reduction: str) -> str:
+    """PyTorch's reduction, from the deprecated ``size_average`` / ``reduce`` flags when either is given."""
+    if size_average is not None or reduce is not None:
+        if reduce is False:
+            return "none"
+        return "sum" if size_average is False else "mean"
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'{op}: reduction={reduction!r} must be "mean", "sum" or "none"')
+    return reduction
+
+
+def _reduced(loss: Array, reduction: str) -> Array:
+    if reduction == "mean":
+        return jnp.mean(loss)
+    return jnp.sum(loss) if reduction == "sum" else loss
+
+
+def _class_dim(x: Array) -> int:
+    return 1 if x.ndim >= 2 else 0
+
+
+def _nll(
+    logp: Array, target: Array, weight: Array = None, *, ignore_index: int, reduction: str, smoothing: float
+) -> Array:
+    """PyTorch's ``nll_loss`` of log-probabilities (classes on dim 1), plus ``cross_entropy``'s label smoothing.
+
+    A target outside ``[0, C)`` that is not ``ignore_index`` gives a NaN loss for its entry.
+    """
+    cd = _class_dim(logp)
+    c = logp.shape[cd]
+    lp = jnp.moveaxis(logp, cd, -1)
+    keep = target != ignore_index
+    valid = ((target >= 0) & (target < c)) | ~keep
+    safe = jnp.where(keep & valid, target, 0)
+    picked = jnp.take_along_axis(lp, safe[..., None], axis=-1)[..., 0]
+    zero = jnp.zeros((), logp.dtype)
+    w = jnp.ones((), logp.dtype) if weight is None else jax.lax.stop_gradient(weight)[safe]
+    w = jnp.where(keep, w, zero)
+    loss = jnp.where(valid, -picked * w, jnp.asarray(jnp.nan, logp.dtype))
+    total = jnp.sum(w) if weight is not None else jnp.sum(keep).astype(logp.dtype)
+    out = jnp.sum(loss) / total if reduction == "mean" else _reduced(loss, reduction)
+    if not smoothing:
+        return out
+    per_class = lp if weight is None else lp * jax.lax.stop_gradient(weight)
+    smooth = jnp.where(keep, -jnp.sum(per_class, axis=-1), zero)
+    smooth = jnp.sum(smooth) / total if reduction == "mean" else _reduced(smooth, reduction)
+    return (1 - smoothing) * out + smooth * (smoothing / c)
+
+
+def _soft_ce(x: Array, target: Array, weight: Array = None, *, reduction: str, smoothing: float) -> Array:
+    """PyTorch's ``cross_entropy`` against class probabilities (same shape as ``x``, classes on dim 1)."""
+    cd = _class_dim(x)
+    c = x.shape[cd]
+    lp = jax.nn.log_softmax(x, axis=cd)
+    t = target * (1 - smoothing) + smoothing / c if smoothing else target
+    if weight is not None:
+        lp = lp * weight.reshape((c,) + (1,) * (x.ndim - cd - 1))
+    loss = -jnp.sum(lp * t, axis=cd)
+    if reduction == "mean":
+        return jnp.sum(loss) / jnp.asarray(x.size // c if c else 0, x.dtype)
+    return _reduced(loss, reduction)
+
+
+_nll_op = lift(_nll, name="torch.nn.functional.nll_loss", static_argnames=("ignore_index", "reduction", "smoothing"))
+_soft_ce_op = lift(
+    _soft_ce, name="torch.nn.functional.cross_entropy.probabilities", static_argnames=("reduction", "smoothing")
+)
+
+
+def _class_target_check(op: str, input: Operand, target: Operand, weight: Operand | None) -> int:
+    """The number of classes, after checking PyTorch's shapes: input (N, C, d...) or (C,), target (N, d...) or ()."""
+    xs, ts = _shape(input), _shape(target)
+    if not xs:
+        raise ValueError(f"{op}: input must have a class dimension: (C,), (N, C) or (N, C, d1, ...), got shape ()")
+    cd = 1 if len(xs) >= 2 else 0
+    if ts != xs[:cd] + xs[cd + 1 :]:
+        raise ValueError(
+            f"{op}: target of shape {ts} does not match input {xs}: class indices need input.shape without "
+            f"dim {cd} ({xs[:cd] + xs[cd + 1 :]})"
+        )
+    if weight is not None and _shape(weight) != (xs[cd],):
+        raise ValueError(f"{op}: weight must have shape ({xs[cd]},) (one per class), got {_shape(weight)}")
+    _float_input(op, input)
+    return xs[cd]
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.nll_loss",))
+def nll_loss(
+    input: Operand,
+    target: Operand,
+    weight: Operand | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """Negative log-likelihood of log-probabilities ``input`` (classes on dim 1) at integer ``target`` classes.
+
+    ``"mean"`` divides by the summed ``weight`` of the targets that are not
+    ``ignore_index``; ``weight`` gets no gradient (PyTorch refuses one that
+    requires it). A target out of range gives a NaN loss (PyTorch raises).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     float(F.nll_loss(s.input(jnp.log(jnp.array([[0.5, 0.5], [0.25, 0.75]]))), jnp.array([0, 1])))
+    0.4904146194458008
+    """
+    red = _reduction("nll_loss", size_average, reduce, reduction)
+    if not jnp.issubdtype(_dtype(target), jnp.integer):
+        raise TypeError(f"nll_loss: target must hold integer class indices, got dtype {_dtype(target)}")
+    _class_target_check("nll_loss", input, target, weight)
+    operands = (input, target) if weight is None else (input, target, weight)
+    return _nll_op(*operands, ignore_index=int(ignore_index), reduction=red, smoothing=0.0)
+
+
+@torch_entry(bind=("tfl", "F"), records="op:cross_entropy", opinfo=("nn.functional.cross_entropy",))
+def cross_entropy(
+    input: Operand,
+    target: Operand,
+    weight: Operand | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """Softmax cross-entropy of scores ``input`` (classes on dim 1: (N, C), (N, C, d1, ...) or (C,)).
+
+    ``target`` is integer class indices (``input.shape`` without dim 1) or
+    class probabilities (``input``'s shape). ``weight`` weighs the classes,
+    ``ignore_index`` drops entries, ``label_smoothing`` mixes in the uniform
+    distribution, as PyTorch. Unweighted class targets record the built-in
+    ``cross_entropy`` op (classes moved last). A target out of range gives a
+    NaN loss (PyTorch raises).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     float(tfl.cross_entropy(s.input(jnp.zeros((2, 4))), jnp.array([1, 3])))
+    1.3862943649291992
+    """
+    op = "cross_entropy"
+    red = _reduction(op, size_average, reduce, reduction)
+    ls = float(label_smoothing)
+    if not 0.0 <= ls <= 1.0:
+        raise ValueError(f"{op}: label_smoothing={label_smoothing!r} must be in [0, 1]")
+    xs = _shape(input)
+    if jnp.issubdtype(_dtype(target), jnp.floating):
+        if _shape(target) != xs:
+            raise ValueError(f"{op}: class-probability target {_shape(target)} must have the input's shape {xs}")
+        if weight is not None and (not xs or _shape(weight) != (xs[1 if len(xs) >= 2 else 0],)):
+            raise ValueError(f"{op}: weight must have shape (C,) (one per class), got {_shape(weight)}")
+        _float_input(op, input)
+        operands = (input, target) if weight is None else (input, target, weight)
+        return _soft_ce_op(*operands, reduction=red, smoothing=ls)
+    if not jnp.issubdtype(_dtype(target), jnp.integer):
+        raise TypeError(
+            f"{op}: target must be integer class indices or float class probabilities, got {_dtype(target)}"
+        )
+    _class_target_check(op, input, target, weight)
+    if weight is None:
+        x = input
+        if len(xs) > 2:  # the op wants classes last
+            x = apply("permute", input, axes=(0, *range(2, len(xs)), 1))
+        return apply("cross_entropy", x, target, reduction=red, ignore_index=int(ignore_index), label_smoothing=ls)
+    logp = apply("log_softmax", input, axis=1 if len(xs) >= 2 else 0)
+    return _nll_op(logp, target, weight, ignore_index=int(ignore_index), reduction=red, smoothing=ls)
+
+
+def _weighted(loss: Array, weight: Array, reduction: str, by_weight: bool) -> Array:
+    loss = loss * weight
+    if reduction == "mean" and by_weight:
+        return jnp.sum(loss) / jnp.sum(jnp.broadcast_to(weight, loss.shape))
+    return _reduced(loss, reduction)
+
+
+def _pointwise_loss(
+    x: Array, t: Array, weight: Array = None, *, kind: str, reduction: str, beta: float, by_weight: bool
+) -> Array:
+    d = x - t
+    z = jnp.abs(d)
+    if kind == "mse":
+        loss = d * d
+    elif kind == "l1":
+        loss = z
+    elif kind == "smooth_l1":
+        b = jnp.asarray(beta, x.dtype)
+        loss = z if beta == 0 else jnp.where(z < b, 0.5 * d * d / b, z - 0.5 * b)
+    else:  # huber
+        b = jnp.asarray(beta, x.dtype)
+        loss = jnp.where(z < b, 0.5 * d * d, b * (z - 0.5 * b))
+    if weight is None:
+        return _reduced(loss, reduction)
+    return _weighted(loss, weight, reduction, by_weight)
+
+
+_pointwise_loss_op = lift(
+    _pointwise_loss,
+    name="torch.nn.functional.pointwise_loss",
+    static_argnames=("kind", "reduction", "beta", "by_weight"),
+)
+
+
+def _pair_check(op: str, input: Operand, target: Operand, weight: Operand | None) -> None:
+    _float_input(op, input)
+    _float_input(op, target, "target")
+    try:
+        shape = np.broadcast_shapes(_shape(input), _shape(target))
+    except ValueError:
+        raise ValueError(f"{op}: input {_shape(input)} and target {_shape(target)} do not broadcast together") from None
+    if weight is not None and _shape(weight) != shape:
+        raise ValueError(f"{op}: weight {_shape(weight)} must have the size of the input {shape}")
+
+
+def _pointwise(
+    op: str, input: Operand, target: Operand, weight: Operand | None, reduction: str, beta: float, by_weight: bool
+) -> Tensor:
+    _pair_check(op, input, target, weight)
+    operands = (input, target) if weight is None else (input, target, weight)
+    kind = op.removesuffix("_loss")
+    return _pointwise_loss_op(*operands, kind=kind, reduction=reduction, beta=float(beta), by_weight=by_weight)
+
+
+@torch_entry(bind=("F",), records="op:mse", opinfo=("nn.functional.mse_loss",))
+def mse_loss(
+    input: Operand,
+    target: Operand,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    weight: Operand | None = None,
+) -> Tensor:
+    """Squared error ``(input - target) ** 2`` (broadcast), reduced; with ``weight``, a weighted mean.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     float(F.mse_loss(s.input(jnp.array([1.0, 3.0])), jnp.array([0.0, 0.0])))
+    5.0
+    """
+    red = _reduction("mse_loss", size_average, reduce, reduction)
+    if weight is None and _shape(input) == _shape(target) and _is_float(input) and _dtype(input) == _dtype(target):
+        return apply("mse", input, target, reduction=red)
+    return _pointwise("mse_loss", input, target, weight, red, 0.0, True)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.l1_loss",))
+def l1_loss(
+    input: Operand,
+    target: Operand,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    weight: Operand | None = None,
+) -> Tensor:
+    """Absolute error ``|input - target|`` (broadcast), reduced; with ``weight``, a weighted mean.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     float(F.l1_loss(s.input(jnp.array([1.0, -3.0])), jnp.array([0.0, 0.0])))
+    2.0
+    """
+    red = _reduction("l1_loss", size_average, reduce, reduction)
+    return _pointwise("l1_loss", input, target, weight, red, 0.0, True)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.smooth_l1_loss",))
+def smooth_l1_loss(
+    input: Operand,
+    target: Operand,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    beta: float = 1.0,
+) -> Tensor:
+    """``0.5 d**2 / beta`` where ``|d| < beta``, else ``|d| - beta / 2``, for ``d = input - target``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.smooth_l1_loss(s.input(jnp.array([0.5, 3.0])), jnp.zeros(2), reduction="none").tolist()
+    [0.125, 2.5]
+    """
+    red = _reduction("smooth_l1_loss", size_average, reduce, reduction)
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta={beta} must be non-negative")
+    return _pointwise("smooth_l1_loss", input, target, None, red, beta, False)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.huber_loss",))
+def huber_loss(
+    input: Operand, target: Operand, reduction: str = "mean", delta: float = 1.0, weight: Operand | None = None
+) -> Tensor:
+    """``0.5 d**2`` where ``|d| < delta``, else ``delta * (|d| - delta / 2)``, for ``d = input - target``.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     F.huber_loss(s.input(jnp.array([0.5, 3.0])), jnp.zeros(2), reduction="none").tolist()
+    [0.125, 2.5]
+    """
+    red = _reduction("huber_loss", None, None, reduction)
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta={delta} must be positive")
+    return _pointwise("huber_loss", input, target, weight, red, delta, False)
+
+
+def _bce(x: Array, t: Array, weight: Array = None, *, reduction: str) -> Array:
+    floor = jnp.asarray(-100.0, x.dtype)  # PyTorch clamps the logs, so a 0 or 1 probability stays finite
+    loss = -(t * jnp.maximum(jnp.log(x), floor) + (1 - t) * jnp.maximum(jnp.log1p(-x), floor))
+    return _reduced(loss if weight is None else loss * jax.lax.stop_gradient(weight), reduction)
+
+
+def _bce_logits(x: Array, t: Array, weight: Array, pos_weight: Array = None, *, reduction: str) -> Array:
+    # as PyTorch, the weights are constants: no gradient flows to them
+    lw = 1 if pos_weight is None else 1 + (jax.lax.stop_gradient(pos_weight) - 1) * t
+    loss = (1 - t) * x + lw * jax.nn.softplus(-x)
+    return _reduced(loss * jax.lax.stop_gradient(weight), reduction)
+
+
+_bce_op = lift(_bce, name="torch.nn.functional.binary_cross_entropy", static_argnames=("reduction",))
+_bce_logits_op = lift(
+    _bce_logits, name="torch.nn.functional.binary_cross_entropy_with_logits", static_argnames=("reduction",)
+)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.binary_cross_entropy",))
+def binary_cross_entropy(
+    input: Operand,
+    target: Operand,
+    weight: Operand | None = None,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """``-(target * log(input) + (1 - target) * log(1 - input))`` of probabilities, logs clamped at -100.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     round(float(F.binary_cross_entropy(s.input(jnp.array([0.5])), jnp.array([1.0]))), 4)
+    0.6931
+    """
+    red = _reduction("binary_cross_entropy", size_average, reduce, reduction)
+    if _shape(target) != _shape(input):
+        raise ValueError(f"binary_cross_entropy: target {_shape(target)} must have the input's shape {_shape(input)}")
+    _pair_check("binary_cross_entropy", input, target, None)
+    operands = (input, target) if weight is None else (input, target, weight)
+    return _bce_op(*operands, reduction=red)
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.binary_cross_entropy_with_logits",))
+def binary_cross_entropy_with_logits(
+    input: Operand,
+    target: Operand,
+    weight: Operand | None = None,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    pos_weight: Operand | None = None,
+) -> Tensor:
+    """Binary cross-entropy of ``sigmoid(input)``, computed stably from the logits; ``pos_weight`` weighs positives.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     round(float(F.binary_cross_entropy_with_logits(s.input(jnp.array([0.0])), jnp.array([1.0]))), 4)
+    0.6931
+    """
+    op = "binary_cross_entropy_with_logits"
+    red = _reduction(op, size_average, reduce, reduction)
+    if _shape(target) != _shape(input):
+        raise ValueError(f"{op}: target {_shape(target)} must have the input's shape {_shape(input)}")
+    _pair_check(op, input, target, None)
+    w = 1.0 if weight is None else weight
+    operands = (input, target, w) if pos_weight is None else (input, target, w, pos_weight)
+    return _bce_logits_op(*operands, reduction=red)
+
+
+def _kl_div(x: Array, t: Array, *, reduction: str, log_target: bool) -> Array:
+    if log_target:
+        loss = jnp.exp(t) * (t - x)
+    else:
+        pos = t > 0  # xlogy: an entry with target 0 contributes 0
+        loss = jnp.where(pos, t * jnp.log(jnp.where(pos, t, jnp.ones((), t.dtype))), jnp.zeros((), t.dtype)) - t * x
+    if reduction == "batchmean":
+        return jnp.sum(loss) / (x.shape[0] if x.ndim else 1)
+    return _reduced(loss, reduction)
+
+
+_kl_div_op = lift(_kl_div, name="torch.nn.functional.kl_div", static_argnames=("reduction", "log_target"))
+
+
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.kl_div",))
+def kl_div(
+    input: Operand,
+    target: Operand,
+    size_average: bool | None = None,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    log_target: bool = False,
+) -> Tensor:
+    """KL divergence ``target * (log(target) - input)`` of log-probabilities ``input``; ``"batchmean"`` divides by N.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> import tapeflow.nn.functional as F
+    >>> with tfl.Session() as s:
+    ...     float(F.kl_div(s.input(jnp.log(jnp.array([[0.5, 0.5]]))), jnp.array([[0.5, 0.5]]), reduction="batchmean"))
+    0.0
+    """
+    op = "kl_div"
+    red = "batchmean" if reduction == "batchmean" and size_average is None and reduce is None else None
+    red = red or _reduction(op, size_average, reduce, reduction)
+    _pair_check(op, input, target, None)
+    return _kl_div_op(input, target, reduction=red, log_target=bool(log_target))
