@@ -188,6 +188,7 @@ class Mismatches:
     def __init__(self) -> None:
         self.failures: list[str] = []
         self.worst: dict[str, float] = {}
+        self.skipped = self.entries = 0
 
     def check(self, what: str, kind: str, got: object, want: object, skip: np.ndarray | None = None) -> None:
         got, want = np.asarray(got), np.asarray(want)
@@ -208,19 +209,28 @@ class Mismatches:
             )
 
 
-def _key_bias(name: str, value: np.ndarray) -> np.ndarray | None:
-    """The key third of an attention ``in_proj_bias``: its gradient is zero in exact arithmetic.
+ADAM_FLOOR = 1e-6
+"""Below this gradient magnitude AdamW's step depends on the gradient's float32 rounding (see _rounding_sensitive)."""
 
-    Adding a constant to every key shifts each query's scores by one constant, which the
-    softmax removes; both frameworks compute float noise (about 1e-9) instead of zero, and
-    AdamW's first steps turn noise into steps of up to ``lr`` in either direction. Those
-    entries are compared as gradients (near zero on both sides), not after the steps.
+
+def _rounding_sensitive(name: str, ref: Run, run: Run) -> np.ndarray:
+    """Entries whose gradient, at some step, is nonzero but below ``ADAM_FLOOR`` on either side.
+
+    Adam's step is ``m / (sqrt(v) + eps)``: for a gradient of a few ``eps`` (1e-8) it is a
+    steep function of the gradient, so a float32 rounding difference of 1e-9 (which two
+    correct implementations differ by) moves it by a visible fraction of ``lr``. Such
+    gradients are float noise around an exact zero (the key third of an attention
+    ``in_proj_bias``: adding a constant to every key shifts a query's scores by one constant,
+    which the softmax removes) or nearly so (a batch-norm scale whose channel barely reaches
+    the loss). Their gradients are still compared at every step; only their values after
+    the steps are not. A gradient that is exactly zero on both sides gives exactly no step
+    and stays compared.
     """
-    if not name.endswith("in_proj_bias"):
-        return None
-    d = value.shape[0] // 3
-    mask = np.zeros(value.shape, bool)
-    mask[d : 2 * d] = True
+    mask = np.zeros(ref.after[name].shape, bool)
+    for want, got in zip(ref.grads, run.grads):
+        if name in want and name in got and np.shape(got[name]) == mask.shape:
+            size = np.maximum(np.abs(want[name]), np.abs(got[name]))
+            mask |= (size > 0) & (size < ADAM_FLOOR)
     return mask
 
 
@@ -239,7 +249,13 @@ def _compare(ref: Reference, run: Run) -> Mismatches:
         m.failures.append(f"state_dict keys: {list(run.after)}, PyTorch {list(ref.run.after)}")
     for name, want in ref.run.after.items():
         if name in run.after:
-            m.check(f"after {STEPS} steps {name}", "after", run.after[name], want, skip=_key_bias(name, want))
+            skip = _rounding_sensitive(name, ref.run, run)
+            m.skipped += int(skip.sum())
+            m.check(f"after {STEPS} steps {name}", "after", run.after[name], want, skip=skip)
+    m.entries = sum(np.size(v) for v in ref.run.after.values())
+    # a handful of near-zero gradients per model, not a large part of it
+    if m.skipped > 0.01 * m.entries:
+        m.failures.append(f"{m.skipped} of {m.entries} entries have gradients below {ADAM_FLOOR}: too many to skip")
     return m
 
 
@@ -255,7 +271,8 @@ def path(request: pytest.FixtureRequest) -> str:
 def test_port_matches_pytorch(reference: Reference, path: str) -> None:
     model = _port(reference)
     m = _compare(reference, _tapeflow_run(model, reference.kind, path))
-    print(f"{reference.kind}/{path}: largest differences " + ", ".join(f"{k} {v:.2e}" for k, v in m.worst.items()))
+    worst = ", ".join(f"{k} {v:.2e}" for k, v in m.worst.items())
+    print(f"{reference.kind}/{path}: largest differences {worst}; {m.skipped} of {m.entries} not compared after")
     assert not m.failures, f"{reference.kind} on {path}:\n" + "\n".join(m.failures)
 
 
