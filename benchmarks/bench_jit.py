@@ -75,7 +75,7 @@ def tfl_model(init: dict[str, np.ndarray], n_layers: int) -> tuple[dict[str, tfl
     def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
         h = x
         for i in range(n_layers):
-            h = tfl.linear(h, ws[i], bs[i])
+            h = tfl.apply("linear", h, ws[i], bs[i])
             if i < n_layers - 1:
                 h = tfl.relu(h)
         if HAS_CE:

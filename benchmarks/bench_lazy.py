@@ -110,7 +110,7 @@ class MLP(Model):
         def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
             h = s.input(x)
             for i in range(0, len(ps), 2):
-                h = tfl.linear(h, ps[i], ps[i + 1])
+                h = tfl.apply("linear", h, ps[i], ps[i + 1])
                 if i + 2 < len(ps):
                     h = tfl.relu(h)
             return tfl.cross_entropy(h, s.input(y))
@@ -157,7 +157,7 @@ class TiedAE(Model):
 
         def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
             x = s.input(x)
-            h = tfl.tanh(tfl.linear(x, W, b))
+            h = tfl.tanh(tfl.apply("linear", x, W, b))
             return tfl.mse(h @ W_dec.T + c, x)
 
         return loss_fn

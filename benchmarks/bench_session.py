@@ -88,9 +88,9 @@ def tapeflow_step_fn(
     def forward() -> Any:
         x = s.input(x_dev)
         t = s.input(target)
-        h = tfl.relu(tfl.linear(x, params["w1"], params["b1"]))
-        h = tfl.relu(tfl.linear(h, params["w2"], params["b2"]))
-        logits = tfl.linear(h, params["w3"], params["b3"])
+        h = tfl.relu(tfl.apply("linear", x, params["w1"], params["b1"]))
+        h = tfl.relu(tfl.apply("linear", h, params["w2"], params["b2"]))
+        logits = tfl.apply("linear", h, params["w3"], params["b3"])
         if use_cross_entropy():
             return tfl.cross_entropy(logits, t)
         d = logits - t

@@ -116,9 +116,9 @@ class TflMLP:
 
     def loss_fn(self, s: tfl.Session, x: Any, target: Any) -> Any:
         W1, b1, W2, b2, W3, b3 = self.params
-        h = tfl.relu(tfl.linear(s.input(x), W1, b1))
-        h = tfl.relu(tfl.linear(h, W2, b2))
-        logits = tfl.linear(h, W3, b3)
+        h = tfl.relu(tfl.apply("linear", s.input(x), W1, b1))
+        h = tfl.relu(tfl.apply("linear", h, W2, b2))
+        logits = tfl.apply("linear", h, W3, b3)
         if HAS_CE:
             return tfl.cross_entropy(logits, s.input(target))
         return tfl.mse(logits, s.input(target))
@@ -150,7 +150,7 @@ class TflAE(TflMLP):
     def loss_fn(self, s: tfl.Session, x: Any, target: Any) -> Any:
         W, b, c = self.params
         x = s.input(x)
-        h = tfl.tanh(tfl.linear(x, W, b))
+        h = tfl.tanh(tfl.apply("linear", x, W, b))
         x_hat = h @ self.W_dec.T + c
         return tfl.mse(x_hat, x)
 

@@ -32,7 +32,7 @@ STEPS = 6
 
 
 def forward(s, m, x=X, act=tfl.tanh):
-    h = act(tfl.linear(s.input(x), m.W1, m.b1))
+    h = act(tfl.apply("linear", s.input(x), m.W1, m.b1))
     logits = h @ m.W2
     return h, logits, tfl.cross_entropy(logits, s.input(Y))
 
@@ -203,7 +203,7 @@ def test_numpy_vs_jax_inputs():
     def body(s, step, m, log):
         x = jnp.asarray(X) if step in (3, 5) else X
         xi = s.input(x)
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         h2 = h * (jnp.ones(5, F32) * 2 if step == 4 else np.full(5, 2, F32))  # a raw array operand
         loss = tfl.cross_entropy(h2 @ m.W2, s.input(Y))
         log.append(("loss", step, float(loss)))
@@ -250,7 +250,7 @@ def test_batch_size_change_and_back():
     def body(s, step, m, log):
         x = X[:4] if step == 3 else X
         y = Y[:4] if step == 3 else Y
-        h = tfl.tanh(tfl.linear(s.input(x), m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", s.input(x), m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(y))
         g = s.backward(loss)
         log.append(("loss", step, float(loss), [arr(g[p]) for p in m.params]))
@@ -298,7 +298,7 @@ def test_trainable_toggled():
 def test_tie_at_one_step():
     def body(s, step, m, log):
         W = tfl.tie(m.W1, name="W1t") if step == 3 else m.W1
-        h = tfl.tanh(tfl.linear(s.input(X), W, m.b1))
+        h = tfl.tanh(tfl.apply("linear", s.input(X), W, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         g = s.backward(loss)
         log.append(("grads", step, [arr(g[p]) for p in m.params]))
@@ -324,9 +324,9 @@ def test_no_grad_partial_block():
         xi = s.input(X)
         if step in (3, 4):
             with s.no_grad():
-                h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+                h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         else:
-            h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+            h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         g = s.backward(loss)
         log.append(("grads", step, [arr(g[p]) for p in m.params if p in g], [p.name for p in m.params if p in g]))
@@ -451,7 +451,7 @@ def test_debug_nans_with_out_of_range_device_ids():
         s.debug_nans = step >= 3
         ids = jnp.asarray([0, 1, 2, 3, 4, 5, 1, 2] if step != 4 else [0, 1, 2, 9, 4, 5, 1, 2], jnp.int32)
         e = m.emb(s.input(ids))
-        h = tfl.tanh(tfl.linear(e, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", e, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         log.append(("loss", step, float(loss)))
         m.opt.step(s.backward(loss))
@@ -488,7 +488,7 @@ def test_compute_dtype_session():
 
 def test_dropout_at_some_steps():
     def body(s, step, m, log):
-        h = tfl.tanh(tfl.linear(s.input(X), m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", s.input(X), m.W1, m.b1))
         if step in (3, 4):
             h = tfl.dropout(h, 0.5, training=True)
             log.append(("h", step, arr(h.value)))
@@ -502,7 +502,7 @@ def test_dropout_at_some_steps():
 
 def test_dropout_every_step():
     def body(s, step, m, log):
-        h = tfl.dropout(tfl.tanh(tfl.linear(s.input(X), m.W1, m.b1)), 0.5, training=True)
+        h = tfl.dropout(tfl.tanh(tfl.apply("linear", s.input(X), m.W1, m.b1)), 0.5, training=True)
         log.append(("h", step, arr(h.value)))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
@@ -514,7 +514,7 @@ def test_dropout_every_step():
 
 def test_checkpoint_block_at_some_steps():
     def block(x, W, b):
-        return tfl.tanh(tfl.linear(x, W, b))
+        return tfl.tanh(tfl.apply("linear", x, W, b))
 
     ck = tfl.checkpoint(block)
 
@@ -581,8 +581,8 @@ def test_embedding_out_of_range_host_ids():
 
     def body(s, step, m, log):
         ids = np.array([0, 1, 2, 3, 4, 5, 1, 2] if step != 3 else [0, 1, 2, 6, 4, 5, 1, 2], np.int32)
-        e = tfl.take(m.emb.weight, ids, axis=0)  # host ids: checked against their range as recorded
-        h = tfl.tanh(tfl.linear(e, m.W1, m.b1))
+        e = tfl.numpy.take(m.emb.weight, ids, axis=0)  # host ids: checked against their range as recorded
+        h = tfl.tanh(tfl.apply("linear", e, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         log.append(("loss", step, float(loss)))
         m.opt.step(s.backward(loss))
@@ -595,7 +595,7 @@ def test_take_with_raw_out_of_range_host_ids():
     def body(s, step, m, log):
         h, _, loss = forward(s, m)
         ids = np.array([0, 1, 2] if step != 3 else [0, 9, 2], np.int32)
-        z = tfl.take(h, ids, axis=1) if hasattr(tfl, "take") else h
+        z = tfl.numpy.take(h, ids, axis=1) if hasattr(tfl, "take") else h
         log.append(("z", step, arr(z.value)))
         m.opt.step(s.backward(loss))
 
@@ -687,9 +687,9 @@ def test_reset_mid_step_and_stale_handles():
 def test_error_then_same_structure_replays_correct_values():
     def body(s, step, m, log):
         xi = s.input(X)
-        a = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        a = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         if step == 3:
-            tfl.linear(xi, m.W2, m.b1)  # (8, 4) @ (5, 3): shape error mid-step
+            tfl.apply("linear", xi, m.W2, m.b1)  # (8, 4) @ (5, 3): shape error mid-step
         loss = tfl.cross_entropy(a @ m.W2, s.input(Y))
         log.append(("loss", step, float(loss)))
         m.opt.step(s.backward(loss))
@@ -805,7 +805,7 @@ def test_nan_and_overflowing_scalar_operands():
 def test_detach_at_one_step():
     def body(s, step, m, log):
         xi = s.input(X)
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         if step == 3:
             h = s.detach(h)
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))

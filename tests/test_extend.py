@@ -254,7 +254,7 @@ def _model() -> tuple[dict[str, tfl.Param], Callable[..., Any], Callable[..., An
     split = tfl.lift(lambda h: (jnp.sort(h, axis=1), jnp.linalg.norm(h)), name="test_extend_vg_split")
 
     def loss_fn(s, xv):
-        h = softplus(tfl.linear(xv, params["w"], params["b"]))
+        h = softplus(tfl.apply("linear", xv, params["w"], params["b"]))
         srt, nrm = split(h)
         return tfl.mean(lse(srt * 2.0, axis=1)) + 0.1 * nrm
 

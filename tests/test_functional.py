@@ -80,7 +80,7 @@ def make_mlp(seed=0, sizes=(12, 32, 32, 5)):
     def loss_fn(s, x, y):
         h = x
         for i in range(n):
-            h = tfl.linear(h, params[f"w{i}"], params[f"b{i}"])
+            h = tfl.apply("linear", h, params[f"w{i}"], params[f"b{i}"])
             if i < n - 1:
                 h = tfl.tanh(h)
         return tfl.cross_entropy(h, y)
@@ -104,8 +104,8 @@ def make_tied_autoencoder(seed=0, d=10, k=4):
     registrations = {"W": W, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec}
 
     def loss_fn(s, x):
-        h = tfl.tanh(tfl.linear(x, W, b_enc))
-        r = tfl.linear(h, W_dec.T, b_dec)
+        h = tfl.tanh(tfl.apply("linear", x, W, b_enc))
+        r = tfl.apply("linear", h, W_dec.T, b_dec)
         return tfl.mse(r, x)
 
     def batch(k_, size=16):
@@ -388,9 +388,9 @@ class TestHasAux:
         params, loss_fn, batch = make_mlp()
 
         def loss_aux(s, x, y):
-            h = tfl.tanh(tfl.linear(x, params["w0"], params["b0"]))
-            h = tfl.tanh(tfl.linear(h, params["w1"], params["b1"]))
-            logits = tfl.linear(h, params["w2"], params["b2"])
+            h = tfl.tanh(tfl.apply("linear", x, params["w0"], params["b0"]))
+            h = tfl.tanh(tfl.apply("linear", h, params["w1"], params["b1"]))
+            logits = tfl.apply("linear", h, params["w2"], params["b2"])
             return tfl.cross_entropy(logits, y), {"logits": logits, "norm": tfl.sum(h * h), "tag": jnp.asarray(7)}
 
         return params, loss_fn, loss_aux, batch
@@ -578,7 +578,10 @@ class TestSessionInsideUserJit:
 
         def grad_W(p, x):  # p: the Params pytree, rebuilt by jit as bound views on tracers
             with tfl.Session() as s:
-                loss = tfl.mse(tfl.linear(tfl.tanh(tfl.linear(x, p["W"], p["b_enc"])), p["W_dec"].T, p["b_dec"]), x)
+                loss = tfl.mse(
+                    tfl.apply("linear", tfl.tanh(tfl.apply("linear", x, p["W"], p["b_enc"])), p["W_dec"].T, p["b_dec"]),
+                    x,
+                )
                 g = s.backward(loss)
                 return loss.value, g[p["W"]]
 
@@ -635,7 +638,7 @@ _SHARDED_SCRIPT = _SPEC_OF + textwrap.dedent(
         params["w1_tied"] = tfl.tie(params["w0"], name="w1_tied")
 
         def loss_fn(s, x, y):
-            h = tfl.tanh(tfl.linear(x, params["w0"], params["b0"]))
+            h = tfl.tanh(tfl.apply("linear", x, params["w0"], params["b0"]))
             h = h + tfl.tanh(h @ params["w1_tied"].T) @ params["w0"]
             return tfl.cross_entropy(h @ params["w1"], y)
 
@@ -954,7 +957,7 @@ _SLOT_PLACEMENT_SCRIPT = _SPEC_OF + textwrap.dedent(
         params = {"w0": tfl.Param((r.standard_normal((8, 16)) * 0.3).astype(np.float32), name="w0"),
                   "b0": tfl.Param(np.zeros(16, np.float32), name="b0"),
                   "w1": tfl.Param((r.standard_normal((16, 4)) * 0.3).astype(np.float32), name="w1")}
-        loss_fn = lambda s, x, y: tfl.cross_entropy(tfl.tanh(tfl.linear(x, params["w0"], params["b0"])) @ params["w1"], y)
+        loss_fn = lambda s, x, y: tfl.cross_entropy(tfl.tanh(tfl.apply("linear", x, params["w0"], params["b0"])) @ params["w1"], y)
         opt = tfl.Optimizer(txs[name](), params)
         step = tfl.train_step(loss_fn, opt, **kw)
         r = np.random.default_rng(1)

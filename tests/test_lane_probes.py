@@ -31,7 +31,7 @@ STEPS = 6
 
 
 def forward(s, m, x=X):
-    h = tfl.tanh(tfl.linear(s.input(x), m.W1, m.b1))
+    h = tfl.tanh(tfl.apply("linear", s.input(x), m.W1, m.b1))
     logits = h @ m.W2
     return h, logits, tfl.cross_entropy(logits, s.input(Y))
 
@@ -303,7 +303,7 @@ def test_backward_wrt_interior_handle():
 def test_backward_wrt_non_grad_handle_raises_the_same():
     def body(s, step, m, log):
         xi = s.input(X)
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         g = s.backward(loss, wrt=[xi]) if step == 4 else s.backward(loss)
         m.opt.step(g)
@@ -421,7 +421,7 @@ def test_tie_at_one_step():
     def body(s, step, m, log):
         h, logits, loss = forward(s, m)
         if step in (4, 5):
-            loss = loss + tfl.mean(tfl.linear(s.input(X), m.T, m.b1))
+            loss = loss + tfl.mean(tfl.apply("linear", s.input(X), m.T, m.b1))
         g = s.backward(loss)
         log.append(("gW1", arr(g[m.W1]), arr(g[m.T])))
         m.opt.step(g)
@@ -556,7 +556,7 @@ def test_forward_under_no_grad_at_one_step():
 def test_input_requires_grad_at_one_step():
     def body(s, step, m, log):
         xi = s.input(X, requires_grad=step == 4)
-        loss = tfl.cross_entropy(tfl.tanh(tfl.linear(xi, m.W1, m.b1)) @ m.W2, s.input(Y))
+        loss = tfl.cross_entropy(tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1)) @ m.W2, s.input(Y))
         g = s.backward(loss)
         if step == 4:
             log.append(("gx", arr(g[xi])))
@@ -651,7 +651,7 @@ def test_batch_shape_changes_then_back():
     def body(s, step, m, log):
         n = 5 if step == 4 else 8
         xi = s.input(X[:n])
-        loss = tfl.cross_entropy(tfl.tanh(tfl.linear(xi, m.W1, m.b1)) @ m.W2, s.input(Y[:n]))
+        loss = tfl.cross_entropy(tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1)) @ m.W2, s.input(Y[:n]))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss)))
 
@@ -712,7 +712,7 @@ def test_shape_error_at_one_step_then_continue():
         h, logits, loss = forward(s, m)
         if step == 4:
             try:
-                tfl.linear(h, m.W1)
+                tfl.apply("linear", h, m.W1)
             except tfl.TapeError as e:
                 log.append(("err", str(e), len(s.recording)))
         m.opt.step(s.backward(loss))
@@ -726,10 +726,10 @@ def test_shape_error_at_first_op_on_lane():
         xi = s.input(X)
         if step == 4:
             try:
-                tfl.linear(xi, m.W2, m.b1)
+                tfl.apply("linear", xi, m.W2, m.b1)
             except tfl.TapeError as e:
                 log.append(("err", str(e), len(s.recording)))
-        loss = tfl.cross_entropy(tfl.tanh(tfl.linear(xi, m.W1, m.b1)) @ m.W2, s.input(Y))
+        loss = tfl.cross_entropy(tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1)) @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss)))
 
@@ -968,10 +968,10 @@ def test_foreign_handle_into_lane():
             xi = s.input(X)
             try:
                 if step == 4:
-                    tfl.linear(foreign, m.W1, m.b1)
+                    tfl.apply("linear", foreign, m.W1, m.b1)
             except Exception as e:
                 log.append(("err", type(e).__name__, str(e).replace(f"owner {other.owner}", "OTHER")))
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss)))
@@ -1113,7 +1113,7 @@ def test_grad_enabled_toggled_mid_step():
 def test_dropout_at_some_steps():
     def body(s, step, m, log):
         xi = s.input(X)
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         h = tfl.dropout(h, 0.5, training=step in (4, 5))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
@@ -1125,7 +1125,7 @@ def test_dropout_at_some_steps():
 def test_dropout_every_step():
     def body(s, step, m, log):
         xi = s.input(X)
-        h = tfl.dropout(tfl.tanh(tfl.linear(xi, m.W1, m.b1)), 0.3, training=True)
+        h = tfl.dropout(tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1)), 0.3, training=True)
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss), s.rng_counter))
@@ -1138,7 +1138,7 @@ def test_set_rng_state_between_steps():
         if step == 4:
             s.set_rng_state(counter=0)
         xi = s.input(X)
-        h = tfl.dropout(tfl.tanh(tfl.linear(xi, m.W1, m.b1)), 0.3, training=True)
+        h = tfl.dropout(tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1)), 0.3, training=True)
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss), s.rng_counter))
@@ -1151,7 +1151,7 @@ def test_checkpoint_block_at_some_steps():
         xi = s.input(X)
 
         def block(x):
-            return tfl.tanh(tfl.linear(x, m.W1, m.b1))
+            return tfl.tanh(tfl.apply("linear", x, m.W1, m.b1))
 
         ck = m.extra.setdefault("ck", tfl.checkpoint(block))  # one wrapper: the same op every step
         h = ck(xi) if step >= 3 else block(xi)
@@ -1165,7 +1165,7 @@ def test_checkpoint_block_at_some_steps():
 def test_jvp_mid_step():
     def body(s, step, m, log):
         xi = s.input(X, requires_grad=True)
-        h = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        h = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         loss = tfl.cross_entropy(h @ m.W2, s.input(Y))
         if step == 4:
             log.append(("jvp", arr(s.jvp(loss, {xi: np.ones_like(X)}))))
@@ -1517,10 +1517,10 @@ def test_param_updated_by_another_optimizer_between_two_uses():
 
     def body(s, step, m, log):
         xi = s.input(X)
-        a = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        a = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         if step == 4:
             m.other.step({m.W1: jnp.ones((4, 5), F32)})
-        b = tfl.tanh(tfl.linear(xi, m.W1, m.b1))
+        b = tfl.tanh(tfl.apply("linear", xi, m.W1, m.b1))
         loss = tfl.cross_entropy((a + b) @ m.W2, s.input(Y))
         m.opt.step(s.backward(loss))
         log.append(("loss", float(loss)))

@@ -45,7 +45,7 @@ def mlp():
     def loss_fn(s):
         h = s.input(x)
         for i in range(0, len(ps), 2):
-            h = tfl.linear(h, ps[i], ps[i + 1])
+            h = tfl.apply("linear", h, ps[i], ps[i + 1])
             if i + 2 < len(ps):
                 h = tfl.relu(h)
         return tfl.cross_entropy(h, s.input(y))
@@ -62,7 +62,7 @@ def tied_autoencoder():
 
     def loss_fn(s):
         xi = s.input(x)
-        h = tfl.tanh(tfl.linear(xi, W, b))
+        h = tfl.tanh(tfl.apply("linear", xi, W, b))
         return tfl.mse(h @ W_dec.T + c, xi)
 
     return [W, b, c, W_dec], loss_fn
@@ -77,7 +77,7 @@ def char_lm():
     targets = rng.integers(0, 11, size=(4, 8)).astype(np.int32)
 
     def loss_fn(s):
-        return tfl.cross_entropy(model(ids), s.input(targets))
+        return tfl.apply("cross_entropy", model(ids), s.input(targets))
 
     return dict(model.parameter_records()), loss_fn
 
