@@ -96,7 +96,7 @@ def test_session_ops_with_varying_floats_compile_once():
     q = s.input(jnp.ones((2, 3, 4), jnp.float32))
 
     def step(i):
-        s.backward(tfl.layer_norm(x, eps=1e-5 * (i + 1)).sum())
+        s.backward(tfl.layer_norm(x, (4,), eps=1e-5 * (i + 1)).sum())
         tfl.attention(q, q, q, scale=0.1 * (i + 1))
         s.backward(tfl.clamp(x, lo=-0.01 * i, hi=1.0 + i).sum())
 
@@ -271,7 +271,7 @@ def test_a_rejected_runtime_value_leaves_the_caches_and_their_order_alone():
         tfl.clamp(h, lo=float("nan"))
     _assert_unchanged(s, state)
     with pytest.raises(tfl.TapeError, match="eps"):
-        tfl.layer_norm(h, eps=float("inf"))
+        tfl.layer_norm(h, (4,), eps=float("inf"))
     _assert_unchanged(s, state)
 
 
