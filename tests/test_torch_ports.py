@@ -44,7 +44,7 @@ TOL = {"logits": (1e-5, 2e-6), "loss": (1e-5, 2e-6), "grad": (1e-5, 2e-6), "afte
 
 
 def _batches(kind: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Three (input, target) batches per model; integer arrays are int32 (tapeflow's int64 under JAX without x64)."""
+    """Three (input, target) batches per model; ids and labels are int32 here (JAX's default) and int64 for PyTorch."""
     rng = np.random.default_rng({"mobilenet": 0, "transformer": 1, "lstm": 2}[kind])
     out = []
     for _ in range(STEPS):
@@ -150,7 +150,7 @@ def _port(ref: Reference):
 def _tapeflow_run(model, kind: str, path: str) -> Run:
     tx = optax.chain(_keep_gradients(), optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY))
     opt = tfl.Optimizer(tx, model)
-    named = [(n, p) for n, p in model.named_parameters() if p.trainable]  # PyTorch's names: checked apart
+    named = model.named_parameters()
     run = Run()
 
     if path == "train_step":
