@@ -51,6 +51,8 @@ from .._core import _registry as R
 from .._core._device import default_device, device_of
 from .._shell._commit import commit
 from .._shell._params import Param, canonical_indices
+from .._shell._session import Session
+from .._train._functional import TrainStep
 from ._io import (
     META,
     OPT,
@@ -75,7 +77,6 @@ from ._meta import (
 )
 
 if TYPE_CHECKING:
-    from .._shell._session import Session
     from .._train._optim import Optimizer
 
 __all__ = ["CheckpointError", "restore", "save"]
@@ -216,7 +217,7 @@ def save(
     path: StrPath,
     params_or_module: ParamSource,
     optimizer: Optimizer | None = None,
-    session: Session | None = None,
+    session: Session | TrainStep | None = None,
     *,
     overwrite: bool = False,
 ) -> None:
@@ -226,7 +227,9 @@ def save(
     (tied records included), a mapping ``name -> Param``, or a module with
     ``parameter_records()``. ``optimizer``: a :class:`~tapeflow.Optimizer` whose
     parameters are among them. ``session``: a :class:`~tapeflow.Session` whose
-    seed and RNG counter are saved. ``overwrite=False`` refuses an existing path;
+    seed and RNG counter are saved, or a :class:`~tapeflow.TrainStep` whose seed
+    and step counter are (:attr:`TrainStep.rng_counter <tapeflow.TrainStep.rng_counter>`:
+    what its dropout masks are drawn from), so a restored run continues bit for bit. ``overwrite=False`` refuses an existing path;
     ``overwrite=True`` replaces only a tapeflow checkpoint that holds nothing
     else (or an empty directory), atomically: the new checkpoint is written in
     full to ``path.tapeflow-tmp-ID``, then ``path`` is renamed to
@@ -288,6 +291,7 @@ def save(
             leaf_meta.append(LeafEntry(key, kp, tuple(np.shape(a)), np.dtype(a.dtype), _digest(a)))
         opt_layout = tuple(cast("list[int]", optimizer.alias_layout))
         opt_meta = OptimizerEntry(str(treedef), tuple(leaf_meta), opt_layout, tuple(slot_regs))
+    _check_rng_owner(session, "save")
     sess_meta = None if session is None else SessionEntry(int(session.seed), int(session.rng_counter))
     meta = CheckpointMeta(
         registrations=tuple(registrations),
@@ -509,8 +513,19 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
     return out
 
 
+def _check_rng_owner(session: object, where: str) -> None:
+    if session is not None and not isinstance(session, (Session, TrainStep)):
+        raise TypeError(
+            f"tfl.{where}: session must be a tfl.Session or a tfl.TrainStep (whose RNG seed and counter a checkpoint "
+            f"holds), got {type(session).__name__}; pass the session or train_step that draws the run's random masks"
+        )
+
+
 def restore(
-    path: StrPath, params_or_module: ParamSource, optimizer: Optimizer | None = None, session: Session | None = None
+    path: StrPath,
+    params_or_module: ParamSource,
+    optimizer: Optimizer | None = None,
+    session: Session | TrainStep | None = None,
 ) -> None:
     """Load a checkpoint written by :func:`save` into existing parameters (and optimizer, session).
 
@@ -520,10 +535,28 @@ def restore(
     layout. Everything, including every array's integrity, is checked before
     anything is written; on any difference :class:`CheckpointError` names the
     first one and nothing changes. Then each parameter storage is written once,
-    ``optimizer.state`` is replaced and the session's seed and RNG counter are set.
+    ``optimizer.state`` is replaced and the session's seed and RNG counter are set
+    (a :class:`~tapeflow.TrainStep`'s seed and step counter: :meth:`TrainStep.set_rng_state
+    <tapeflow.TrainStep.set_rng_state>`).
+
+    >>> import tempfile, os, jax.numpy as jnp, optax, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2), name="w")
+    >>> opt = tfl.Optimizer(optax.sgd(0.1), [w])
+    >>> step = tfl.train_step(lambda s, x: tfl.sum(tfl.dropout(w * x, 0.5)), opt, seed=5)
+    >>> _ = step(jnp.ones(2)); _ = step(jnp.ones(2))
+    >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> tfl.save(d, [w], opt, step)
+    >>> w2 = tfl.Param(jnp.zeros(2), name="w")
+    >>> opt2 = tfl.Optimizer(optax.sgd(0.1), [w2])
+    >>> step2 = tfl.train_step(lambda s, x: tfl.sum(tfl.dropout(w2 * x, 0.5)), opt2)
+    >>> tfl.restore(d, [w2], opt2, step2)
+    >>> step2.seed, step2.step_count, bool(step(jnp.ones(2)) == step2(jnp.ones(2)))
+    (5, 2, True)
     """
-    if session is not None:
-        session.check_thread()  # first: the RNG state is set together with the parameters
+    _check_rng_owner(session, "restore")
+    check_thread = getattr(session, "check_thread", None)
+    if check_thread is not None:
+        check_thread()  # first: the RNG state is set together with the parameters
     path = recover(os.path.abspath(os.fspath(path)))
     names, regs, keyed = _registrations(params_or_module)
     meta = _load_meta(path)
@@ -543,6 +576,11 @@ def restore(
     if session is not None and rng is None:
         raise CheckpointError(
             f"checkpoint at {path} holds no session state, but a session was given; pass session=None"
+        )
+    if rng is not None and isinstance(session, TrainStep) and rng.rng_counter >= 2**32:
+        raise CheckpointError(
+            f"checkpoint at {path} holds RNG counter {rng.rng_counter}, past a TrainStep's uint32 step counter; "
+            "restore it into a tfl.Session, or pass session=None"
         )
     got = _read_arrays(path, wanted)
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._core import _compile_log
 from .._core import _registry as R
+from .._core._checks import is_int
 from .._core._compile_log import SigEntry
 from .._core._device import concrete_array_type
 from .._core._interrupts import deferred_interrupts
@@ -41,6 +42,7 @@ from .._shell._commit import traced_write
 from .._shell._debug import debug_nans_default, finite_flag
 from .._shell._grads import global_norm_of
 from .._shell._params import Param, Storage, canonical_indices
+from .._shell._random import RNG_SEED_RANGE
 from .._shell._session import Session, traced_session
 from .._shell._state import mode_reads
 from .._shell._tensor import Tensor
@@ -408,10 +410,7 @@ class TrainStep:
         self._signatures: set[Hashable] = set()
         self._param_specs = dict(param_specs or {})
         self._log_key = object()  # counts this step's compiles in the compile log (holds nothing)
-        static = (5, 6, 8, 9)
-        jitted = jax.jit(self._pure, donate_argnums=(0, 1, 2) if donate else (), static_argnums=static)
-        self._jitted = jitted
-        self._compiled = maybe_tiered(jitted, static)  # each new signature in two tiers, when that is on
+        self._make_programs()
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
         # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
@@ -423,6 +422,59 @@ class TrainStep:
         # the step counter on the device (the program derives the RNG key from it and returns it + 1)
         self._counter: Array | None = None
         self._counter_step = -1
+
+    def _make_programs(self) -> None:
+        """The jitted step (no program traced yet): its trace reads ``self.seed`` as a constant."""
+        static = (5, 6, 8, 9)
+        jitted = jax.jit(self._pure, donate_argnums=(0, 1, 2) if self.donate else (), static_argnums=static)
+        self._jitted = jitted
+        self._compiled = maybe_tiered(jitted, static)  # each new signature in two tiers, when that is on
+        self._signatures = set()
+
+    @property
+    def rng_counter(self) -> int:
+        """The counter each step's random key is derived from: ``fold_in(PRNGKey(seed), rng_counter)``.
+
+        It is :attr:`step_count` (one key per step); :func:`tfl.save <tapeflow.save>` stores it
+        with :attr:`seed`, and :func:`tfl.restore <tapeflow.restore>` sets both
+        (:meth:`set_rng_state`), so a restored run draws the same dropout masks.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> w = tfl.Param(jnp.array(1.0))
+        >>> step = tfl.train_step(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]), seed=3)
+        >>> _ = step(jnp.array(2.0)); step.seed, step.rng_counter
+        (3, 1)
+        """
+        return self.step_count
+
+    def set_rng_state(self, seed: int | None = None, counter: int | None = None) -> None:
+        """Set the seed and/or step counter of the random keys, e.g. to continue a restored run.
+
+        A new seed drops the programs traced so far (the seed is a constant of
+        each trace): the next call traces again. Both are checked before either
+        is set.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> w = tfl.Param(jnp.array(1.0))
+        >>> step = tfl.train_step(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]))
+        >>> step.set_rng_state(seed=7, counter=4); step.seed, step.step_count
+        (7, 4)
+        >>> step.set_rng_state(counter=-1)
+        Traceback (most recent call last):
+        ValueError: TrainStep.set_rng_state: counter must be an int in [0, 2**32) (the step counter is a uint32), got -1
+        """
+        if seed is not None and not (is_int(seed) and RNG_SEED_RANGE[0] <= int(seed) < RNG_SEED_RANGE[1]):
+            raise ValueError(f"TrainStep.set_rng_state: seed must be an int in [-2**63, 2**63), got {seed!r}")
+        if counter is not None and not (is_int(counter) and 0 <= int(counter) < 2**32):
+            raise ValueError(
+                "TrainStep.set_rng_state: counter must be an int in [0, 2**32) (the step counter is a uint32), "
+                f"got {counter!r}"
+            )
+        if seed is not None and int(seed) != self.seed:
+            self.seed = int(seed)
+            self._make_programs()
+        if counter is not None:
+            self.step_count = int(counter)
 
     # -- the pure step ---------------------------------------------------------
     def _pure(
