@@ -254,7 +254,7 @@ class Session:
         self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
         self._outline: Outline | None = None  # the last recording (lazy, or eager), replayed while it matches
         self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
-        self._seen: Structure | None = None  # an eager session's last backward's structure
+        self._unfit: Structure | None = None  # a structure whose backward failed to trace as one program
         self._stepped = -1  # the generation an optimizer last stepped from (a backward after that: no reset)
         self._warned_growth = False
         self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
@@ -974,13 +974,13 @@ class Session:
         }
         lazy = self._mode == "lazy" and not (create_graph or hooks or self._lazy.exact)
         # an eager session's backward runs as one compiled program (fused with the optimizer step that consumes
-        # it) from the second backward of the same structure on; its first one runs op by op
+        # it) whenever its structure allows, decided by the structure alone (see _compiles_backward)
         lz, ol = self._lazy, self._outline
         if ol is not None and len(lz.keys) < len(old) and (lazy or self._mode == "eager"):
             hint = ol.structure_hint(len(old), lz.epoch)
             if hint is not None:
                 lz.keys = hint  # a replayed recording's structure is the outline's
-        compiled = self._mode == "eager" and not (create_graph or hooks) and self._seen_before(old)
+        compiled = self._mode == "eager" and not (create_graph or hooks) and self._compiles_backward(old)
         program = lazy or compiled
         plan: BackwardPlan | None = None
         if program:  # the same structure, Params and request as the last backward: what it worked out holds
@@ -1013,7 +1013,7 @@ class Session:
                     if not compiled:
                         raise
                     program = False  # what fails to trace as one program runs op by op (a failing VJP raises there)
-                    self._seen = None
+                    self._unfit = struct
                 if program and seed is None:
                     self._lazy.plan = BackwardPlan.of(
                         struct, loss.id, wrt_ids, self._params_by_leaf, self._storage_by_leaf, ids, groups
@@ -1125,12 +1125,18 @@ class Session:
         self.materialize()
         return NonFiniteCheck(self.debug_nans, self._tape, loss.id, seed, self._sites, self._params_by_leaf).explain()
 
-    def _seen_before(self, tape: Tape) -> bool:
-        """Whether this eager session's last backward had ``tape``'s structure (and this one may be compiled)."""
+    def _compiles_backward(self, tape: Tape) -> bool:
+        """Whether this eager backward of ``tape`` runs as one compiled program.
+
+        Decided by the recording alone, never by what the session ran before: a
+        run restored from a checkpoint into a new session then takes the same
+        path at every step as the uninterrupted run, so it continues bit for bit
+        (the op-by-op sweep and the program round differently). Op by op: a
+        recording :meth:`LazyRecording.compiled_structure` refuses, a block's
+        session, and a structure whose backward failed to trace (it fails again).
+        """
         struct = self._lazy.compiled_structure(tape)
-        seen = struct is not None and struct == self._seen
-        self._seen = struct
-        return seen and self._param_source is None
+        return struct is not None and self._param_source is None and struct != self._unfit
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
