@@ -98,7 +98,7 @@ def test_session_ops_with_varying_floats_compile_once():
     def step(i):
         s.backward(tfl.layer_norm(x, (4,), eps=1e-5 * (i + 1)).sum())
         tfl.attention(q, q, q, scale=0.1 * (i + 1))
-        s.backward(tfl.clamp(x, lo=-0.01 * i, hi=1.0 + i).sum())
+        s.backward(tfl.clamp(x, min=-0.01 * i, max=1.0 + i).sum())
 
     step(0)
     before = _compiled(tfl.kernel_cache_info())
@@ -268,7 +268,7 @@ def test_a_rejected_runtime_value_leaves_the_caches_and_their_order_alone():
     h = s.input(jnp.ones((3, 4)))
     state = _state(s)
     with pytest.raises(tfl.TapeError, match="is NaN"):
-        tfl.clamp(h, lo=float("nan"))
+        tfl.clamp(h, min=float("nan"))
     _assert_unchanged(s, state)
     with pytest.raises(tfl.TapeError, match="eps"):
         tfl.layer_norm(h, (4,), eps=float("inf"))

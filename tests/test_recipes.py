@@ -21,7 +21,7 @@ def _tied_ae(key=0):
 
     def loss(s, x):
         h = tfl.tanh(tfl.matmul(x, w) + b)
-        return tfl.mean((tfl.matmul(h, tfl.transpose(wt)) - x) ** 2)
+        return tfl.mean((tfl.matmul(h, wt.T) - x) ** 2)
 
     return [w, b, wt], loss
 

@@ -332,7 +332,7 @@ class TestInputs:
         mask = s.input(mask_np)
         assert np.issubdtype(labels.dtype, np.integer) and not labels.requires_grad
         assert mask.dtype == np.dtype(bool) and not mask.requires_grad
-        rows = tfl.take(table, labels)
+        rows = tfl.numpy.take(table, labels, axis=0)
         picked = tfl.where(mask, rows, 0.0)
         loss = (picked * picked).sum() + table[labels].sum()
 

@@ -36,6 +36,7 @@ never the one-argument ``nonzero`` form). The ``jax.nn`` and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable, Mapping
@@ -112,6 +113,20 @@ def _reshape(ops: list[Any], kw: dict[str, Any]) -> Any:
     if set(kw) - {"shape"} or "shape" not in kw:
         return None
     return apply("reshape", ops[0], shape=kw["shape"])
+
+
+def _take(ops: list[Any], kw: dict[str, Any]) -> Any:
+    a, indices = ops
+    axis = kw.get("axis")
+    if set(kw) - {"axis"} or not (axis is None or type(axis) is int):
+        return None
+    if axis is None:  # jnp.take's default: positions in the flattened array
+        return apply("take", apply("reshape", a, shape=(-1,)), indices, axis=0)
+    return apply("take", a, indices, axis=axis)
+
+
+_FINAL: frozenset[Builtin] = frozenset((_take,))
+"""Built-ins whose refusal stands (no lifted fallback)."""
 
 
 def _gelu(ops: list[Any], kw: dict[str, Any]) -> Any:
@@ -269,7 +284,7 @@ _NUMPY: list[_Row] = [
     ("atleast_1d", "x", ()),
     ("atleast_2d", "x", ()),
     ("atleast_3d", "x", ()),
-    ("take", "a indices", ("axis", "mode")),
+    ("take", "a indices", ("axis", "mode"), _take),
     ("take_along_axis", "arr indices", ("axis", "mode")),
     ("astype", "x", ("dtype",), _keywords("astype", {"dtype": "dtype"})),
     ("zeros_like", "a", ("dtype",)),
@@ -487,6 +502,10 @@ class _Function:
         return f
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return self.call(args, kwargs, always=False)
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, always: bool) -> PyTree:
+        """The call; with ``always``, operands that are all plain arrays record on the current session too."""
         spec = self.spec
         try:
             bound = self.sig.bind(*args, **kwargs)
@@ -504,7 +523,8 @@ class _Function:
         else:
             ops = [given.get(o) for o in spec.operands]
         statics = {k: _freeze(v) for k, v in given.items() if k in spec.statics}
-        if not any(isinstance(o, _HANDLES) for o in ops):
+        handles = any(isinstance(o, _HANDLES) for o in ops)
+        if not handles and not always:
             return self.plain(ops, statics)  # plain arrays (or tracers): just the jax function
         if (
             spec.sequence
@@ -518,6 +538,8 @@ class _Function:
             try:
                 out = spec.builtin(ops, changed)
             except TapeError:
+                if spec.builtin in _FINAL:
+                    raise  # its refusal is the answer (take's positions out of range: the lifted one would clamp)
                 out = None  # the built-in op refused (e.g. integer operands): the lifted one decides
             if out is not None:
                 return out
@@ -525,6 +547,8 @@ class _Function:
             raise TapeError(f"{self.opname}: static arguments must be hashable Python values, got {statics!r}")
         f = self.lift()
         ops = _weak_numbers(ops)
+        if not handles:  # `always`: the op records on the session apply picks (lifted() would just compute)
+            f = functools.partial(apply, self.opname)
         if spec.optional:
             present = tuple(o is not None for o in ops)
             return f(*[o for o in ops if o is not None], present=present, **statics)
@@ -613,7 +637,25 @@ special = Namespace("tfl.numpy.special", SPECIAL)
 # the functions are served by the module's __getattr__, not put in its globals: many (sum, any, abs, round, ...)
 # are builtins' names, which the code above must keep
 
-__all__ = sorted([*FUNCTIONS, "nn", "special", "UNSUPPORTED", "FUNCTIONS", "NN", "SPECIAL"])
+
+def record(name: str, *args: Any, **kwargs: Any) -> Tensor:
+    """``tfl.numpy.<name>(*args, **kwargs)`` recorded as an op even when no operand is a Tensor or Param.
+
+    Then it records on the session :func:`~tapeflow.apply` picks (the current
+    one): the PyTorch-named functions build on this, since ``torch.<fn>`` of
+    plain data still gives a tensor.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     record("cumsum", jnp.array([1.0, 2.0]), axis=0).tolist()
+    [1.0, 3.0]
+    """
+    impl: _Function = FUNCTIONS[name].impl  # type: ignore[attr-defined]
+    out: Tensor = impl.call(args, kwargs, always=True)
+    return out
+
+
+__all__ = sorted([*FUNCTIONS, "nn", "special", "UNSUPPORTED", "FUNCTIONS", "NN", "SPECIAL", "record"])
 
 
 def __dir__() -> list[str]:

@@ -349,10 +349,6 @@ class Param(TensorOps):
     def dtype(self) -> np.dtype:
         return self.storage.dtype
 
-    @property
-    def ndim(self) -> int:
-        return len(self.storage.shape)
-
     def __array__(self, dtype: DTypeLike = None, copy: bool | None = None) -> np.ndarray:
         return np.asarray(self.value, dtype=dtype)
 

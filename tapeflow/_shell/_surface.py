@@ -12,13 +12,22 @@ entry says where the name is bound and how a call records:
 * ``records``: ``"op:<name>"`` for one built-in registry op, ``"ops:<a>,<b>"`` for
   a composition of built-in ops, ``"lifted"`` for a JAX function made an op with
   :func:`~tapeflow.lift`, ``"host"`` for a read of the value (``item``,
-  ``tolist``), ``"constant"`` for a new leaf (``zeros``, ``arange``);
+  ``tolist``), ``"constant"`` for a new leaf (``zeros``, ``arange``), ``"stored"`` for
+  a property each kind of tensor keeps itself (``shape``, ``dtype``: declared here, never bound);
 * ``opinfo``: the names of the entry's rows in PyTorch's OpInfo database
   (``torch.testing._internal.common_methods_invocations.op_db``; a
   ``"name.variant"`` picks a variant), which the conformance tests run through
   tapeflow; empty when PyTorch has no row, and the entry has hand-written cases;
 * ``gaps``: the samples of those rows tapeflow refuses on purpose, each with the
   reason (``{"what": "why"}``): the one place a difference from PyTorch is listed.
+  A key matches every sample whose description contains it; a sample is described
+  as its row, then the call with each tensor as its dtype and shape:
+  ``var(float32[5, 5], dim=1, unbiased=True)``, ``max.binary(int64[5], int64[5])``.
+  So ``"rounding_mode="`` lists every sample passing that keyword, ``"int64["`` the
+  integer samples, ``"float32[])"`` a 0-d input, ``"max.binary("`` a whole row.
+  Only refusals are excused (an error naming the entry, of type ``TapeError``,
+  ``TypeError``, ``ValueError``, ``IndexError`` or ``NotImplementedError``), never a
+  different result; a key that matches no refused sample fails the tests (stale).
 
 Nothing else declares the surface: :func:`bind_methods` sets the Tensor methods,
 ``tapeflow/__init__.py`` and ``tapeflow/nn/functional.py`` import the
@@ -52,7 +61,11 @@ _R = TypeVar("_R")
 
 @dataclass(frozen=True)
 class Entry:
-    """One PyTorch name: its implementation (whose signature is PyTorch's), bindings, recording and oracle rows."""
+    """One PyTorch name: its implementation (whose signature is PyTorch's), bindings, recording and oracle rows.
+
+    ``gaps`` keys match the refused samples whose description contains them (the module
+    docstring shows the description); ``tests/_torch_oracle.py`` writes it.
+    """
 
     name: str
     fn: Callable[..., object]
@@ -113,8 +126,8 @@ def torch_entry(
     if not where or not where <= _BINDINGS:
         raise ValueError(f"torch_entry: bind={sorted(where)} must be a non-empty subset of {sorted(_BINDINGS)}")
     kind = records.split(":", 1)[0]
-    if kind not in ("op", "ops", "lifted", "host", "constant", "module"):
-        raise ValueError(f"torch_entry: records={records!r} must start with op:, ops:, lifted, host or constant")
+    if kind not in ("op", "ops", "lifted", "host", "constant", "module", "stored"):
+        raise ValueError(f"torch_entry: records={records!r} must start with op:, ops:, lifted, host, constant or stored")
 
     def deco(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         main = name or fn.__name__
@@ -142,7 +155,7 @@ def bind_methods(cls: type) -> None:
     for n, e in SURFACE.items():
         if "method" in e.bind:
             setattr(cls, n, e.fn)
-        elif "property" in e.bind:
+        elif "property" in e.bind and e.records != "stored":
             setattr(cls, n, property(e.fn, doc=inspect.getdoc(e.fn)))
 
 

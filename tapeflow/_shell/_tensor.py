@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextvars
 import math
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import numpy as np
@@ -52,6 +52,7 @@ __all__ = [
     "apply",
     "check_handle",
     "current_session",
+    "host_value",
     "last_recorded_session",
     "record_op",
     "session_of",
@@ -144,13 +145,6 @@ def pop_current(token: contextvars.Token[Session | None]) -> None:
 # --------------------------------------------------------------------------- the operator set
 
 
-def _varargs(args: tuple[int | Sequence[int], ...]) -> tuple[int | Sequence[int], ...]:
-    """``f(2, 3)`` and ``f((2, 3))`` both mean ``(2, 3)``."""
-    if len(args) == 1 and isinstance(args[0], (tuple, list)):
-        return tuple(args[0])
-    return tuple(args)
-
-
 def torch_alias(opname: str, value: object, default: object, alias: object, names: tuple[str, str]) -> object:
     """``value`` (NumPy's ``axis=`` / ``keepdims=``), or ``alias`` (PyTorch's ``dim=`` / ``keepdim=``) when given.
 
@@ -165,87 +159,6 @@ def torch_alias(opname: str, value: object, default: object, alias: object, name
     if value is not default and value != default:
         raise TypeError(f"{opname}: pass {names[0]}= or {names[1]}= (the same thing), not both")
     return tuple(alias) if isinstance(alias, list) else alias
-
-
-def _axis(opname: str, axis: R.Axes | None, dim: R.Axes | None) -> R.Axes | None:
-    return cast("R.Axes | None", torch_alias(opname, axis, None, dim, ("axis", "dim")))
-
-
-def _keep(opname: str, keepdims: bool, keepdim: bool | None) -> bool:
-    return bool(torch_alias(opname, keepdims, False, keepdim, ("keepdims", "keepdim")))
-
-
-def _reduction(opname: str, doc: str, *, negate: bool = False) -> Callable[..., Tensor]:
-    """A reduction method recording ``opname`` (of ``-x``, negated back, for ``negate``)."""
-
-    def method(
-        self: TensorOps,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-    ) -> Tensor:
-        x: Operand = apply("neg", self) if negate else self
-        out = apply(opname, x, axis=_axis(opname, axis, dim), keepdims=_keep(opname, keepdims, keepdim))
-        return apply("neg", out) if negate else out
-
-    method.__doc__ = doc
-    return method
-
-
-def _spread(*, root: bool) -> Callable[..., Tensor]:
-    """``var`` (or ``std`` with ``root``): NumPy's ``ddof=0`` by default, PyTorch's ``correction=`` taken too."""
-
-    def method(
-        self: TensorOps,
-        axis: R.Axes | None = None,
-        keepdims: bool = False,
-        ddof: int = 0,
-        *,
-        dim: R.Axes | None = None,
-        keepdim: bool | None = None,
-        correction: int | None = None,
-    ) -> Tensor:
-        name = "std" if root else "var"
-        ax, keep = _axis(name, axis, dim), _keep(name, keepdims, keepdim)
-        d = ddof if correction is None else int(correction)
-        shape: Shape = getattr(self, "shape")  # noqa: B009  (Tensor and Param both define it)
-        n = math.prod(shape) if ax is None else math.prod(shape[a] for a in ((ax,) if isinstance(ax, int) else ax))
-        centered = apply("sub", self, apply("mean", self, axis=ax, keepdims=True))
-        total = apply("sum", apply("mul", centered, centered), axis=ax, keepdims=keep)
-        var = apply("div", total, float(max(n - d, 0)))
-        return apply("sqrt", var) if root else var
-
-    what = "standard deviation (the square root of the variance)" if root else "variance"
-    method.__doc__ = f"The {what}: NumPy's ``ddof=0`` by default (PyTorch's default is ``correction=1``: pass it)."
-    return method
-
-
-def _positions(name: str, x: TensorOps, axis: R.Axes | None, keepdims: bool) -> Tensor:
-    from . import _numpy  # tfl.numpy builds on this module
-
-    out: Tensor = _numpy.FUNCTIONS[name](x, axis=axis, keepdims=keepdims)
-    return out
-
-
-class Size(int):
-    """A tensor's element count that is also PyTorch's ``size()``: ``x.size`` is NumPy's, ``x.size()`` the shape.
-
-    >>> s = Size(6, (2, 3))
-    >>> s + 1, s(), s(-1)
-    (7, (2, 3), 3)
-    """
-
-    shape: tuple[int, ...]
-
-    def __new__(cls, n: int, shape: tuple[int, ...]) -> Size:
-        self = super().__new__(cls, n)
-        self.shape = shape
-        return self
-
-    def __call__(self, dim: int | None = None) -> tuple[int, ...] | int:
-        return self.shape if dim is None else self.shape[dim]
 
 
 class TensorOps:
@@ -343,97 +256,6 @@ class TensorOps:
             raise TypeError("iteration over a 0-d tensor")
         return (self[i] for i in range(shape[0]))
 
-    @property
-    def T(self) -> Tensor:
-        return apply("transpose", self)
-
-    # reductions take NumPy's axis= / keepdims= and PyTorch's dim= / keepdim= (one of each pair)
-    sum = _reduction("sum", "The sum over ``axis`` (or ``dim``), as ``jnp.sum``.")
-    mean = _reduction("mean", "The mean over ``axis`` (or ``dim``), as ``jnp.mean``.")
-    max = _reduction("max", "The maximum over ``axis`` (or ``dim``): the value, as ``jnp.max`` (PyTorch's ``amax``).")
-    min = _reduction(
-        "max", "The minimum, as ``-max(-x)`` (the same gradient rule as ``max``: ties share it).", negate=True
-    )
-    var = _spread(root=False)
-    std = _spread(root=True)
-
-    def argmax(
-        self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
-    ) -> Tensor:
-        """The position of the maximum (an integer, no gradient), as ``jnp.argmax`` / ``torch.argmax``."""
-        return _positions("argmax", self, _axis("argmax", axis, dim), _keep("argmax", keepdims, keepdim))
-
-    def argmin(
-        self, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None, keepdim: bool | None = None
-    ) -> Tensor:
-        """The position of the minimum (an integer, no gradient), as ``jnp.argmin`` / ``torch.argmin``."""
-        return _positions("argmin", self, _axis("argmin", axis, dim), _keep("argmin", keepdims, keepdim))
-
-    # PyTorch's names for the shape ops
-    def view(self, *shape: int | Sequence[int]) -> Tensor:
-        """``reshape``: a tensor has no storage to view, so this records a reshape (``-1`` allowed)."""
-        return apply("reshape", self, shape=_varargs(shape))
-
-    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
-        """Axes ``start_dim`` to ``end_dim`` (inclusive) merged into one, as ``torch.flatten``."""
-        shape: Shape = getattr(self, "shape")  # noqa: B009
-        if not shape:
-            return apply("reshape", self, shape=(1,))
-        lo, hi = start_dim % len(shape), end_dim % len(shape)
-        return apply("reshape", self, shape=(*shape[:lo], math.prod(shape[lo : hi + 1]), *shape[hi + 1 :]))
-
-    def unsqueeze(self, dim: int) -> Tensor:
-        return apply("expand_dims", self, axis=dim)
-
-    def squeeze(self, dim: R.Axes | None = None) -> Tensor:
-        return apply("squeeze", self, axis=dim)
-
-    def permute(self, *dims: int | Sequence[int]) -> Tensor:
-        return apply("permute", self, axes=_varargs(dims))
-
-    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
-        return apply("clamp", self, lo=min, hi=max)
-
-    def exp(self) -> Tensor:
-        return apply("exp", self)
-
-    def log(self) -> Tensor:
-        return apply("log", self)
-
-    def sqrt(self) -> Tensor:
-        return apply("sqrt", self)
-
-    def abs(self) -> Tensor:
-        return apply("abs", self)
-
-    def tanh(self) -> Tensor:
-        return apply("tanh", self)
-
-    def sigmoid(self) -> Tensor:
-        return apply("sigmoid", self)
-
-    def relu(self) -> Tensor:
-        return apply("relu", self)
-
-    def numel(self) -> int:
-        shape: Shape = getattr(self, "shape")  # noqa: B009
-        return math.prod(shape)
-
-    def dim(self) -> int:
-        """The number of axes (PyTorch's name for ``ndim``)."""
-        return len(getattr(self, "shape"))  # noqa: B009
-
-    def tolist(self) -> object:
-        """The value as nested Python lists (read: a lazy session computes it)."""
-        return np.asarray(self).tolist()
-
-    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
-        return apply("reshape", self, shape=_varargs(shape))
-
-    def transpose(self, *axes: int | Sequence[int]) -> Tensor:
-        axes = _varargs(axes)
-        return apply("transpose", self, axes=axes if axes else None)
-
     def astype(self, dtype: DTypeLike) -> Tensor:
         return apply("astype", self, dtype=np.dtype(dtype))
 
@@ -486,15 +308,6 @@ class Tensor(TensorOps):
         return self._session
 
     @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> Size:
-        """The number of elements (NumPy's ``x.size``); called, the shape (PyTorch's ``x.size()``, ``x.size(0)``)."""
-        return Size(math.prod(self.shape), tuple(self.shape))
-
-    @property
     def node(self) -> Node:
         """The recorded :class:`~tapeflow.Node` this handle points at (a lazy session computes its value first)."""
         return check_handle(self, self._session).node(self)
@@ -530,25 +343,9 @@ class Tensor(TensorOps):
     def requires_grad(self) -> bool:
         return bool(check_handle(self, self._session).recording[self.id].requires_grad)
 
-    def numpy(self) -> np.ndarray:
-        return self._host("numpy()")
-
-    def item(self) -> Any:
-        return self.numpy().item()
-
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
-        return self._host("np.asarray()") if dtype is None else self._host("np.asarray()").astype(dtype)
-
-    def _host(self, what: str) -> np.ndarray:
-        """The value on the host; inside a compiled step (a traced value) an error that says where to read it."""
-        v = self.value
-        if isinstance(v, jax.core.Tracer):
-            raise TapeError(
-                f"{what} of {self!r}: inside a compiled step (train_step, value_and_grad under jax.jit) a value "
-                "exists only when the program runs; return it from loss_fn (train_step returns the loss, and "
-                "auxiliary values with has_aux=True) and read it after the step, or print it with jax.debug.print"
-            )
-        return np.asarray(v)
+        v = host_value(self, "np.asarray()")
+        return v if dtype is None else v.astype(dtype)
 
     def _scalar(self, what: str) -> np.ndarray:
         if self.shape not in ((), (1,)):
@@ -557,7 +354,7 @@ class Tensor(TensorOps):
                     f"the truth value of a tensor of shape {self.shape} is ambiguous; use .value.any() or .value.all()"
                 )
             raise TypeError(f"{what}() needs a tensor with one element, got shape {self.shape}")
-        return self._host(f"{what}()").reshape(())
+        return host_value(self, f"{what}()").reshape(())
 
     def __float__(self) -> float:
         return float(self._scalar("float"))
@@ -623,9 +420,23 @@ class Tensor(TensorOps):
     def __ne__(self, o: Operand) -> Tensor:  # type: ignore[override]
         return apply("ne", self, o)
 
-    def detach(self) -> Tensor:
-        """A new leaf holding this value, cut off from the recording's gradients."""
-        return check_handle(self, self._session).detach(self)
+
+def host_value(x: TensorOps | ArrayLike, what: str) -> np.ndarray:
+    """``x``'s value on the host; inside a compiled step (a traced value) an error that says where to read it.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     host_value(s.input(jnp.ones(2)), "numpy()").tolist()
+    [1.0, 1.0]
+    """
+    v = x.value if isinstance(x, TensorOps) else x  # type: ignore[attr-defined]
+    if isinstance(v, jax.core.Tracer):
+        raise TapeError(
+            f"{what} of {x!r}: inside a compiled step (train_step, value_and_grad under jax.jit) a value "
+            "exists only when the program runs; return it from loss_fn (train_step returns the loss, and "
+            "auxiliary values with has_aux=True) and read it after the step, or print it with jax.debug.print"
+        )
+    return np.asarray(v)
 
 
 def _mask_positions(shape: Shape, idx: object) -> tuple[tuple[int, ...], tuple[int, ...], np.ndarray] | None:
