@@ -249,7 +249,7 @@ def test_out_of_range_host_indices_are_errors_with_nothing_recorded(lazy):
             tfl.TapeError, match=r"gather: operand #1 \(indices\) holds 12, out of range \(valid: -10 to 9\)"
         ):
             emb(np.array([1, 12]))
-        with pytest.raises(tfl.TapeError, match="Embedding: ids hold -1; an id is a row number from 0 to 9"):
+        with pytest.raises(tfl.TapeError, match="Embedding: input holds -1; an index is a row number from 0 to 9"):
             emb(np.array([-1, 2]))
         with pytest.raises(
             tfl.TapeError, match=r"cross_entropy: operand #1 \(labels\) holds 3, out of range \(valid: 0 to 2\)"
