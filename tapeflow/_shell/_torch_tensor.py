@@ -247,6 +247,11 @@ def _floating(x: Operand) -> Operand:
     return x if _is_float(x) else apply("astype", x, dtype=np.dtype(np.float32))
 
 
+def _long() -> np.dtype:
+    """PyTorch's int64 as JAX holds it: int64 with ``jax_enable_x64``, else int32."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+
+
 def _leaf(like: Operand, value: np.ndarray, requires_grad: builtins.bool = False) -> Tensor:
     """A constant leaf on the session an op on ``like`` records on."""
     return session_of((like,), "constant").input(value, requires_grad=requires_grad)
@@ -746,7 +751,7 @@ def index_select(input: Operand, dim: int, index: Operand) -> Tensor:
     return apply("take", input, idx, axis=_dim("index_select", dim, len(shape)))
 
 
-@torch_entry(bind=("method",), records="op:where")
+@torch_entry(records="op:where")
 def masked_fill(input: Operand, mask: Operand, value: float | Operand) -> Tensor:
     """``input`` with ``value`` where the boolean ``mask`` (broadcast to its shape) is True.
 
@@ -1341,7 +1346,7 @@ def einsum(equation: str, *operands: Operand | Sequence[Operand]) -> Tensor:
 def _sum_dtype(x: Operand, dtype: DTypeLike | None) -> Operand:
     if dtype is not None:
         return _cast(x, dtype)
-    return apply("astype", x, dtype=np.dtype(np.int32)) if _dtype_of(x) == np.dtype(bool) else x
+    return apply("astype", x, dtype=_long()) if not _is_float(x) and _dtype_of(x) != _long() else x
 
 
 @torch_entry(records="op:sum", opinfo=("sum",))
@@ -1418,7 +1423,7 @@ def _picked(op: str, input: Operand, dim: int, keepdim: builtins.bool, largest: 
     n = len(_shape(input))
     d = _dim(op, dim, n)
     if n == 0:
-        return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), np.int32)))
+        return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), _long())))
     idx = _numpy.record("argmax" if largest else "argmin", input, axis=d, keepdims=True)
     values = _numpy.record("take_along_axis", input, idx, axis=d)
     if not keepdim:
@@ -1539,7 +1544,7 @@ def _position(op: str, input: Operand, dim: int | None, keepdim: builtins.bool) 
         return apply("reshape", out, shape=(1,) * n) if keepdim else out
     d = _dim(op, dim, n)
     if n == 0:
-        return _leaf(input, np.zeros((), np.int32))
+        return _leaf(input, np.zeros((), _long()))
     return _numpy.record(op, input, axis=d, keepdims=keepdim)
 
 
@@ -1692,8 +1697,6 @@ def cumsum(input: Operand, dim: int, *, dtype: DTypeLike | None = None, axis: in
     d = _alias("cumsum", dim, None, axis, ("dim", "axis"))
     shape = _shape(input)
     x = _sum_dtype(input, dtype)
-    if not np.issubdtype(_dtype_of(x), np.floating) and dtype is None and _dtype_of(x) != np.dtype(np.int32):
-        x = apply("astype", x, dtype=np.dtype(np.int32))
     if not shape:
         _dim("cumsum", d, 0)  # type: ignore[arg-type]
         return apply("reshape", x, shape=())
@@ -1796,7 +1799,7 @@ def sort(
     n = len(_shape(input))
     d = _dim("sort", dim, n)
     if n == 0:
-        return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), np.int32)))
+        return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), _long())))
     idx = _numpy.record("argsort", input, axis=d, stable=True, descending=builtins.bool(descending))
     return ValuesIndices(_numpy.record("take_along_axis", input, idx, axis=d), idx)
 
@@ -2208,7 +2211,7 @@ def _fill_dtype(fill_value: object) -> np.dtype:
     if isinstance(fill_value, (builtins.bool, np.bool_)):
         return np.dtype(bool)
     if isinstance(fill_value, (builtins.int, np.integer)):
-        return np.dtype(np.int32)  # PyTorch: int64
+        return _long()
     return np.dtype(np.float32)
 
 
@@ -2221,12 +2224,12 @@ def full(
     device: object = None,
     requires_grad: builtins.bool = False,
 ) -> Tensor | Array:
-    """A tensor of ``fill_value``: bool for a bool, int32 for an int (PyTorch: int64), else float32.
+    """A tensor of ``fill_value``: bool for a bool, int64 for an int (int32 without x64), else float32.
 
     >>> import tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.full((2,), True).tolist(), tfl.full((2,), 7).dtype
-    ([True, True], dtype('int32'))
+    ...     tfl.full((2,), True).tolist(), tfl.full((2,), 7).tolist()
+    ([True, True], [7, 7])
     """
     dt = _fill_dtype(fill_value) if dtype is None else _as_dtype(dtype)
     return _new("full", np.full(_sizes("full", (size,)), fill_value, dt), None, device, requires_grad)
@@ -2242,7 +2245,7 @@ def arange(
     device: object = None,
     requires_grad: builtins.bool = False,
 ) -> Tensor | Array:
-    """``start`` to ``end`` (exclusive) by ``step``: int32 (PyTorch: int64) unless a bound or the step is a float.
+    """``start`` to ``end`` (exclusive) by ``step``: int64 (int32 without x64) unless a bound or step is a float.
 
     >>> import tapeflow as tfl
     >>> with tfl.Session() as s:
@@ -2251,7 +2254,7 @@ def arange(
     """
     lo, hi = (0, start) if end is None else (start, end)
     floats = builtins.any(isinstance(v, builtins.float) for v in (lo, hi, step))
-    dt = _as_dtype(dtype) if dtype is not None else np.dtype(np.float32 if floats else np.int32)
+    dt = _as_dtype(dtype) if dtype is not None else (np.dtype(np.float32) if floats else _long())
     return _new("arange", np.arange(lo, hi, step, dtype=dt), None, device, requires_grad)
 
 
