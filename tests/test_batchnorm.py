@@ -442,8 +442,9 @@ def test_dropout_follows_the_module_mode():
     drop.train()
     with tfl.Session(grad_enabled=False) as s:  # an inference session turns it off in train mode too
         np.testing.assert_array_equal(np.asarray(drop(s.input(x)).value), np.asarray(x))
-    with tfl.Session(seed=0) as s:  # the functional tfl.dropout is unchanged: the session decides
-        assert (np.asarray(tfl.dropout(s.input(x), 0.5).value) == 0).any()
+    with tfl.Session(grad_enabled=False, seed=0) as s:  # the functional tfl.dropout is PyTorch's: training=True
+        assert (np.asarray(tfl.dropout(s.input(x), 0.5).value) == 0).any()  # unless told, whatever the session
+        np.testing.assert_array_equal(np.asarray(tfl.dropout(s.input(x), 0.5, training=False).value), np.asarray(x))
 
 
 def test_eval_and_inference_session_give_deterministic_outputs():
