@@ -71,7 +71,7 @@ class CharLM(tfl.nn.Module):
 
     def forward(self, ids: Any) -> tfl.Tensor:
         n = ids.shape[-1]
-        x = self.embed(ids) + tfl.take(self.pos, np.arange(n), axis=0)
+        x = self.embed(ids) + self.pos[:n]
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))  # (..., n, vocab)
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
     def loss_fn(s: tfl.Session, ids: Any, targets: Any) -> tfl.Tensor:
-        return tfl.cross_entropy(model(ids), s.input(targets))
+        logits = model(ids)  # (batch, context, vocab): PyTorch's cross_entropy wants the classes on dim 1
+        return tfl.cross_entropy(logits.view(-1, logits.shape[-1]), s.input(targets).view(-1))
 
     step = tfl.train_step(loss_fn, opt, seed=args.seed)
     rng = np.random.default_rng(args.seed)
