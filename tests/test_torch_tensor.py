@@ -46,7 +46,7 @@ def _grad_case(data, ours_fn, torch_fn):
         if not first_theirs.dtype.is_floating_point:
             return
         w = np.arange(1.0, first_theirs.numel() + 1).reshape(first_theirs.shape).astype(np.float32)
-        g = s.backward(tfl.sum(first_ours * w))[x]
+        g = s.backward(tfl.sum(first_ours * w.astype(first_ours.dtype)))[x]
     (first_theirs * torch.tensor(w)).sum().backward()
     np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-5, atol=1e-6)
 
