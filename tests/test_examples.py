@@ -1,5 +1,5 @@
 """The examples run: the digits demo (+ checkpoint restore), the char-level LM, the scripts (nanoGPT from a
-PyTorch state dict among them), WGAN-GP and MAML (against pure-JAX oracles), the notebook.
+PyTorch state dict and the PyTorch port among them), WGAN-GP and MAML (against pure-JAX oracles), the notebook.
 
 Every example states its run time in its docstring (the notebook: in its first cell), as a line
 ``Run time: about N s ...``; each run below fails when it takes more than twice that.
@@ -195,7 +195,7 @@ def test_char_lm_loss_decreases_and_output_is_tied() -> None:
 # --------------------------------------------------------------------------- scripts
 
 
-@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py", "nanogpt.py"])
+@pytest.mark.parametrize("script", ["train_loop.py", "pure_core_jit.py", "nanogpt.py", "port_pytorch.py"])
 def test_script_runs(script: str) -> None:
     """Each script whole, in a fresh interpreter, as ``python examples/<script>`` (its stated time included)."""
     with within_stated_time(script):
@@ -209,6 +209,29 @@ def test_script_runs(script: str) -> None:
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     if script == "nanogpt.py":
         _check_nanogpt_output(proc.stdout)
+    if script == "port_pytorch.py":
+        _check_port_output(proc.stdout)
+
+
+def _check_port_output(out: str) -> None:
+    """The PyTorch model's state dict loaded, the logits agree, and each training loss equals PyTorch's."""
+    if importlib.util.find_spec("torch") is None:
+        assert "needs PyTorch" in out and "pip install torch" in out, out
+        return
+    diff = re.search(r"max \|logit difference\| = (\S+)", out)
+    assert diff and float(diff.group(1)) < 1e-4, out
+    steps = re.findall(r"^step \d+  loss tapeflow (\S+)  PyTorch (\S+)$", out, re.M)
+    assert len(steps) == 3, out
+    ours, theirs = (np.array([float(s[i]) for s in steps]) for i in (0, 1))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4)
+    assert ours[-1] < ours[0], out
+
+
+def test_port_pytorch_without_torch_says_so_and_returns(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    port = _load("port_pytorch")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    assert port.main([]) == {"torch": False}
+    assert "pip install torch" in capsys.readouterr().out
 
 
 def _check_nanogpt_output(out: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import tapeflow as tfl
@@ -267,12 +268,29 @@ def render_from_pytorch(text: str) -> str:
     return f"{head}{BEGIN}\n\n{surface_tables()}\n\n{END}{tail}"
 
 
-def main() -> None:
-    (DOCS / "api" / "tensor.md").write_text(render_tensor())
+def pages() -> dict[Path, str]:
+    """Each generated page and the text it should have."""
     page = DOCS / "from-pytorch.md"
-    page.write_text(render_from_pytorch(page.read_text()))
-    print(f"wrote {DOCS / 'api' / 'tensor.md'} ({len(public_members())} members) and the tables of {page}")
+    return {DOCS / "api" / "tensor.md": render_tensor(), page: render_from_pytorch(page.read_text())}
+
+
+def main(argv: list[str]) -> int:
+    """Write the pages; with ``--check``, write nothing and fail when one differs (the test suite runs this).
+
+    The suite checks in a fresh process: a docstring may depend on JAX's
+    configuration at import (``x.double()`` says float32 without x64), and the
+    pages show a user's default one, not the suite's x64.
+    """
+    stale = [path for path, text in pages().items() if not path.is_file() or path.read_text() != text]
+    if "--check" in argv:
+        for path in stale:
+            print(f"{path.relative_to(DOCS.parent)} is stale: run python docs/_ext/gen_surface.py")
+        return 1 if stale else 0
+    for path, text in pages().items():
+        path.write_text(text)
+    print(f"wrote docs/api/tensor.md ({len(public_members())} members) and the tables of docs/from-pytorch.md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))
