@@ -257,6 +257,7 @@ class TensorOps:
         return (self[i] for i in range(shape[0]))
 
     def astype(self, dtype: DTypeLike) -> Tensor:
+        """The value cast to ``dtype`` (NumPy's name; ``x.to(dtype)`` is PyTorch's), recorded as ``astype``."""
         return apply("astype", self, dtype=np.dtype(dtype))
 
 
@@ -305,6 +306,7 @@ class Tensor(TensorOps):
 
     @property
     def session(self) -> Session | None:
+        """The session that recorded this handle."""
         return self._session
 
     @property
@@ -337,10 +339,12 @@ class Tensor(TensorOps):
 
     @property
     def op(self) -> str | None:
+        """The name of the op that made this value (None for a leaf: an input or a Param's value)."""
         return check_handle(self, self._session).recording[self.id].op  # no value needed: a lazy node stays pending
 
     @property
     def requires_grad(self) -> bool:
+        """Whether a backward of this recording gives this value a gradient (it depends on a Param or tracked input)."""
         return bool(check_handle(self, self._session).recording[self.id].requires_grad)
 
     def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
