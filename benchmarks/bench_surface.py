@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/bench_surface.py            # full run
     python benchmarks/bench_surface.py --quick    # a few seconds
-    python benchmarks/bench_surface.py --json benchmarks/results/bench_surface.json
+    python benchmarks/bench_surface.py --json benchmarks/results/surface.json
 """
 
 from __future__ import annotations
