@@ -1723,6 +1723,13 @@ def _norm_jax(x: Array, *, p: float, axis: tuple[int, ...] | None, keepdims: bui
 _norm = _Lifted("torch.norm", _norm_jax, ("p", "axis", "keepdims"))
 
 
+def _nuclear_jax(x: Array, *, axis: tuple[int, int], keepdims: builtins.bool) -> Array:
+    return jnp.linalg.norm(x, ord="nuc", axis=axis, keepdims=keepdims)
+
+
+_nuclear = _Lifted("torch.norm.nuc", _nuclear_jax, ("axis", "keepdims"))
+
+
 @torch_entry(records="lifted", opinfo=("norm", "norm.fro", "norm.inf"))
 def norm(
     input: Operand,
@@ -1750,7 +1757,7 @@ def norm(
                 raise RuntimeError(
                     f"norm: p='nuc' is a matrix norm: give two dims (got dim={dim}, shape {_shape(input)})"
                 )
-        return _numpy.record("linalg.norm", x, ord="nuc", axis=axes, keepdims=builtins.bool(keepdim))
+        return _nuclear(x, axis=axes, keepdims=builtins.bool(keepdim))
     if p == "fro" or p is None:
         pv = 2.0
     elif isinstance(p, str):
