@@ -292,11 +292,13 @@ def test_xrefs_convert_roles() -> None:
     ids = {"leaf": "tapeflow.leaf", "Tape.empty": "tapeflow.Tape.empty", "tapeflow.tie": "tapeflow.tie"}
     text = (
         ":func:`leaf`, :meth:`Tape.empty`, :func:`~tapeflow.tie`, :func:`tfl.tie <tapeflow.tie>`, :func:`jax.jit`\n"
-        "```pycon\n>>> :func:`leaf`\n```"
+        "```pycon\n>>> :func:`leaf`\n```\n"
+        "wrapped: :func:`the tie\n    <tapeflow.tie>`."
     )
     assert xrefs.convert_roles(text, ids.get) == (
         "[`leaf`][tapeflow.leaf], [`Tape.empty`][tapeflow.Tape.empty], [`tie`][tapeflow.tie], "
-        "[`tfl.tie`][tapeflow.tie], `jax.jit`\n```pycon\n>>> :func:`leaf`\n```"
+        "[`tfl.tie`][tapeflow.tie], `jax.jit`\n```pycon\n>>> :func:`leaf`\n```\n"
+        "wrapped: [`the tie`][tapeflow.tie]."
     )
 
 

@@ -3,7 +3,8 @@
 The test suite checks that the committed pages equal this output. Run in a
 process that registered ops with ``tfl.lift`` / ``tfl.defop`` (import this
 module and call :func:`render`), the ops page also lists those, in a section of
-their own; the committed page, generated in a fresh process, has none.
+their own; the committed page has none (not even the lifted functions that
+tapeflow's PyTorch surface registers at import: the surface table lists them).
 
 docs/ops.md is a compact table (one row per op: its name, linking to the op's
 section, and its one-line summary) followed by one section per op with the
@@ -18,13 +19,16 @@ from pathlib import Path
 import tapeflow as tfl
 from tapeflow._core import _registry as R
 from tapeflow._shell import _functions as F
+from tapeflow._shell import _surface
 
 HEADER = """# Ops
 
 Every op of the registry, generated from its definition (`python docs/_ext/gen_ops.py`).
 Record one on a tape with `tfl.record(tape, "name", inputs, **attributes)`; on a
-session, call the function of the same name, whose parameters are the operands
-then the attributes (`tfl.relu(h)`, `tfl.sum(h, axis=0)`), or an operator.
+session, call the function of the same name (`tfl.relu(h)`, `tfl.sum(h, 0)`) or
+an operator, or `tfl.apply("name", *operands, **attributes)`. Where PyTorch has
+the name, the function is PyTorch's (its arguments: the surface table's entry);
+otherwise its parameters are the operands then the attributes.
 An optional operand (`b=None`) is left out of the record when None; the
 operands of a variadic op (`*xs`) are passed to its function as one sequence
 (`tfl.concat([a, b], axis=1)`). Each op's section below lists its operands,
@@ -96,11 +100,35 @@ def _summary_row(name: str) -> str:
     return f"| [`{name}`](#{_anchor(name)}) | {doc} |"
 
 
+def _torch_entry(name: str) -> _surface.Entry | None:
+    """The surface table's ``tfl.<name>`` (PyTorch's function of that name, which replaces the op's), if any."""
+    e = _surface.SURFACE.get(name)
+    return e if e is not None and "tfl" in e.bind else None
+
+
+def _records_op(e: _surface.Entry, op: str) -> bool:
+    kind, _, ops = e.records.partition(":")
+    return kind in ("op", "ops") and op in ops.split(",")
+
+
+def _plain_aliases(d: R.OpDef) -> list[str]:
+    """The op's other function names that still name its function (not replaced by PyTorch's function)."""
+    return [a for a in d.aliases if _torch_entry(a) is None]
+
+
 def _section(name: str) -> str:
     d = R.REGISTRY[name]
-    if d.public:
+    e = _torch_entry(name) if d.public else None
+    if e is not None and not _records_op(e, name):
+        function = (
+            f'`tfl.apply("{name}", ...)`: [`tfl.{name}`][tapeflow.{name}] is PyTorch\'s `torch.{name}` and records '
+            f"`{e.records}`"
+        )
+    elif d.public:
         function = f"[`tfl.{name}`][tapeflow.{name}]"
-        function += "".join(f", also `tfl.{alias}`" for alias in d.aliases)
+        if e is not None:
+            function += " (PyTorch's signature: the surface table's entry)"
+        function += "".join(f", also `tfl.{alias}`" for alias in _plain_aliases(d))
     else:
         function = f'none: a Tensor operator records it, or `tfl.apply("{name}", ...)`'
     grad = {
@@ -132,9 +160,13 @@ def _footer() -> str:
                 f"* `{name}` has no `tfl.{name}` function: a Tensor operator records it, "
                 f'or call `tfl.apply("{name}", ...)` or `tfl.record`.'
             )
-        for alias in d.aliases:
+        for alias in _plain_aliases(d):
             lines.append(f"* `tfl.{alias}` is another name for `tfl.{name}`.")
-    lines.append("* `tfl.dropout(x, rate, training=None)` is a composite of `where` and `mul`, not a registry op.")
+    torch_only = [n for n in _surface.entries("tfl") if n not in R.REGISTRY]
+    lines.append(
+        f"* {len(torch_only)} more `tfl.*` functions have PyTorch's names and record built-in ops or lifted JAX "
+        "functions without an op of their own: see [Coming from PyTorch](from-pytorch.md#pytorch-names)."
+    )
     return "\n## Functions\n\n" + "\n".join(lines) + "\n"
 
 
@@ -177,33 +209,52 @@ def render(include_user: bool = True) -> str:
 FUNCTIONS_HEADER = """# Op functions
 
 Every public op of the registry is a function of the same name: `tfl.relu(h)`,
-`tfl.matmul(a, b)`, `tfl.sum(h, axis=0)`. Its parameters are the op's operands,
-then its attributes in declaration order with their defaults (a required
-attribute has none), then PyTorch's `dim=` / `keepdim=` (keyword only) where the
-op has an `axis` / `keepdims` attribute with a default. A trailing optional
+`tfl.matmul(a, b)`, `tfl.where(c, a, b)`. Where PyTorch has the name, the
+function is PyTorch's (`tfl.sum(h, 0)`, `tfl.transpose(h, 0, 1)`: its arguments,
+defaults and results; the surface table declares it). Otherwise its parameters
+are the op's operands, then its attributes in declaration order with their
+defaults (a required attribute has none). A trailing optional
 operand defaults to None and is left out of the record when None; a variadic op,
 such as `concat`, takes one sequence. Operands may be
 [`Tensor`][tapeflow.Tensor] handles, [`Param`][tapeflow.Param]s, numbers or
 arrays; the function records the op on the operands' session.
 
-[`tfl.dropout`][tapeflow.dropout] is a composite (of `where` and `mul`), not a
-registry op, and [`tfl.attention`][tapeflow.attention] draws the dropout mask of
-the `attention` op from the session's RNG. The operands, attributes, gradient
+[`tfl.attention`][tapeflow.attention] draws the dropout mask of the `attention`
+op from the session's RNG. The operands, attributes, gradient
 and dtype rule of each op are listed in [Ops](../ops.md).
 {aliases}"""
 
 
+TORCH_FUNCTIONS_HEADER = """
+## PyTorch's functions
+
+These `tfl.*` functions have PyTorch's names and meanings (`torch.<name>`) and
+no op of their own in the registry: each records built-in ops or a lifted JAX
+function (the surface table, `tapeflow/_shell/_surface.py`, says which; see
+[Coming from PyTorch](../from-pytorch.md#pytorch-names)). The op functions above
+with a PyTorch name (`tfl.sum`, `tfl.transpose`, ...) take PyTorch's arguments too.
+"""
+
+
 def render_functions() -> str:
     """docs/api/functions.md: one reference entry per op function, under its public name ``tapeflow.NAME``."""
-    aliases = {alias: name for name in _builtin() for alias in R.REGISTRY[name].aliases}
+    aliases = {alias: name for name in _builtin() for alias in _plain_aliases(R.REGISTRY[name])}
     said = "".join(f"\n`tfl.{a}` is another name for [`tfl.{n}`][tapeflow.{n}].\n" for a, n in aliases.items())
     entries = [f"::: tapeflow.{name}\n" for name in F.__all__ if name not in aliases]
-    return FUNCTIONS_HEADER.replace("{aliases}", said) + "\n" + "\n".join(entries)
+    torch_only = [n for n in _surface.entries("tfl") if n not in F.__all__ and n not in aliases]
+    more = [f"::: tapeflow.{name}\n" for name in torch_only]
+    return (
+        FUNCTIONS_HEADER.replace("{aliases}", said)
+        + "\n"
+        + "\n".join(entries)
+        + (TORCH_FUNCTIONS_HEADER + "\n" + "\n".join(more) if more else "")
+    )
 
 
 def main() -> None:
     docs = Path(__file__).resolve().parents[1]
-    (docs / "ops.md").write_text(render())
+    # the page lists the built-in ops: tapeflow's own lifted functions (the PyTorch surface's) are user-registered
+    (docs / "ops.md").write_text(render(include_user=False))
     (docs / "api" / "functions.md").write_text(render_functions())
     print(f"wrote {docs / 'ops.md'} ({len(_builtin())} ops, {len(_user())} user-registered)")
     print(f"wrote {docs / 'api' / 'functions.md'}")

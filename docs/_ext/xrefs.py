@@ -47,6 +47,7 @@ ROOT = DOCS.parent
 ROLE = re.compile(r":(?:py:)?(func|meth|class|attr|data|mod|exc|obj|const):`([^`]+)`")
 FENCE = re.compile(r"^\s*(```|~~~)")
 ENTRY = re.compile(r"^:::\s+(\S+)\s*$")
+WRAPPED_ROLE = re.compile(r":(?:py:)?(?:func|meth|class|attr|data|mod|exc|obj|const):`[^`\n]*\n[^`\n]*`")
 ANCHOR = re.compile(r"^#+ .*\{ #(tapeflow\.[\w.]+) \}\s*$", re.M)
 FALLBACK_SCOPES = ("tapeflow", "tapeflow.nn")
 DEFAULT_FILTERS = ["!^_[^_]"]  # mkdocstrings-python's default
@@ -221,6 +222,8 @@ def convert_roles(text: str, resolve: Any) -> str:
         hid = None if content.startswith("!") else resolve(target)
         return f"[`{title}`][{hid}]" if hid else f"`{title}`"
 
+    # a role wrapped over two lines of a docstring (:meth:`title\n    <target>`) is read as one line
+    text = WRAPPED_ROLE.sub(lambda m: re.sub(r"\s*\n\s*", " ", m.group(0)), text)
     out, fenced = [], False
     for line in text.split("\n"):
         if FENCE.match(line):
