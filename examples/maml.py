@@ -69,11 +69,11 @@ def make(seed: int, hidden: int = 40, dtype: Any = np.float32) -> tfl.nn.MLP:
 
 
 def forward(weights: Sequence[Any], x: Any) -> tfl.Tensor:
-    """The MLP as a function of its weights ``[W1, b1, W2, b2, W3, b3]`` (Params or Tensors)."""
+    """The MLP as a function of its weights ``[W1, b1, W2, b2, W3, b3]`` (Params or Tensors; each W is (out, in))."""
     h = x
     n = len(weights) // 2
     for i in range(n):
-        h = h @ weights[2 * i] + weights[2 * i + 1]
+        h = tfl.linear(h, weights[2 * i], weights[2 * i + 1])
         if i < n - 1:
             h = tfl.relu(h)
     return h

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opt = tfl.Optimizer(tx, model)
 
     def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
-        return tfl.cross_entropy(model(x), s.input(y))
+        logits = model(x)  # (batch, block, vocab): as nanoGPT, the classes go on dim 1 of a 2-D view
+        return tfl.cross_entropy(logits.view(-1, logits.shape[-1]), s.input(y).view(-1))
 
     step = tfl.train_step(loss_fn, opt, return_stats=True)
     losses, norms = [], []
