@@ -280,10 +280,10 @@ def test_gradient_penalty_trains_the_critic_toward_unit_gradient_norm() -> None:
 
 
 def _mlp_pure(ws: list[Any], x: Any) -> Any:
-    """tfl.nn.MLP with ReLU, as a pure function of [W1, b1, W2, b2, ...]."""
+    """tfl.nn.MLP with ReLU, as a pure function of [W1, b1, W2, b2, ...] (PyTorch's (out, in) weights)."""
     n = len(ws) // 2
     for i in range(n):
-        x = x @ ws[2 * i] + ws[2 * i + 1]
+        x = x @ ws[2 * i].T + ws[2 * i + 1]
         if i < n - 1:
             x = jax.nn.relu(x)
     return x
