@@ -737,7 +737,8 @@ def index_select(input: Operand, dim: int, index: Operand) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]])).index_select(0, jnp.array([1])).tolist()
+    ...     x = s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+    ...     x.index_select(0, jnp.array([1])).tolist()
     [[3.0, 4.0]]
     """
     shape, ishape = _shape(input), _shape(index)
@@ -2157,7 +2158,8 @@ def take(input: Operand, index: Operand) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.take(s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]])), jnp.array([0, 3])).tolist()
+    ...     x = s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+    ...     tfl.take(x, jnp.array([0, 3])).tolist()
     [1.0, 4.0]
     """
     return apply("take", apply("reshape", input, shape=(-1,)), index, axis=0)

@@ -441,7 +441,8 @@ class TrainStep:
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> w = tfl.Param(jnp.array(1.0))
-        >>> step = tfl.train_step(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]), seed=3)
+        >>> sgd = tfl.Optimizer(optax.sgd(0.5), [w])
+        >>> step = tfl.train_step(lambda s, x: w * x, sgd, seed=3)
         >>> _ = step(jnp.array(2.0)); step.seed, step.rng_counter
         (3, 1)
         """
@@ -461,7 +462,7 @@ class TrainStep:
         (7, 4)
         >>> step.set_rng_state(counter=-1)
         Traceback (most recent call last):
-        ValueError: TrainStep.set_rng_state: counter must be an int in [0, 2**32) (the step counter is a uint32), got -1
+        ValueError: TrainStep.set_rng_state: counter must be an int in [0, 2**32) ...
         """
         if seed is not None and not (is_int(seed) and RNG_SEED_RANGE[0] <= int(seed) < RNG_SEED_RANGE[1]):
             raise ValueError(f"TrainStep.set_rng_state: seed must be an int in [-2**63, 2**63), got {seed!r}")

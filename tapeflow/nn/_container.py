@@ -70,7 +70,8 @@ class Sequential(_Container):
     ...     net(s.input(jnp.ones((2, 3)))).shape
     (2, 1)
     >>> from collections import OrderedDict
-    >>> [n for n, _ in tfl.nn.Sequential(OrderedDict(fc=tfl.nn.Linear(2, 2))).named_parameters()]
+    >>> named = tfl.nn.Sequential(OrderedDict(fc=tfl.nn.Linear(2, 2)))
+    >>> [n for n, _ in named.named_parameters()]
     ['fc.weight', 'fc.bias']
     """
 

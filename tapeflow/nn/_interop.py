@@ -509,7 +509,8 @@ def load_state_dict(
     [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     >>> tfl.nn.load_state_dict(lin, {"weight": w, "extra": w}, strict=False)
     IncompatibleKeys(missing_keys=['bias'], unexpected_keys=['extra'])
-    >>> conv1d_style = {"weight": w.T, "bias": np.zeros(2, np.float32)}  # (in, out), as GPT-2's Conv1D
+    >>> # (in, out), as GPT-2's Conv1D stores it
+    >>> conv1d_style = {"weight": w.T, "bias": np.zeros(2, np.float32)}
     >>> tfl.nn.load_state_dict(lin, conv1d_style, transpose="weight")
     IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     >>> try:  # doctest: +NORMALIZE_WHITESPACE

@@ -140,7 +140,8 @@ class SmoothL1Loss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.SmoothL1Loss()(s.input(jnp.array([0.5, 3.0])), jnp.array([0.0, 0.0])).item()
+    ...     x = s.input(jnp.array([0.5, 3.0]))
+    ...     tfl.nn.SmoothL1Loss()(x, jnp.array([0.0, 0.0])).item()
     1.3125
     """
 
@@ -159,7 +160,8 @@ class HuberLoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.HuberLoss(delta=2.0)(s.input(jnp.array([1.0, 4.0])), jnp.array([0.0, 0.0])).item()
+    ...     x = s.input(jnp.array([1.0, 4.0]))
+    ...     tfl.nn.HuberLoss(delta=2.0)(x, jnp.array([0.0, 0.0])).item()
     3.25
     """
 
@@ -199,7 +201,8 @@ class BCEWithLogitsLoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     round(tfl.nn.BCEWithLogitsLoss()(s.input(jnp.array([0.0])), jnp.array([1.0])).item(), 4)
+    ...     x = s.input(jnp.array([0.0]))
+    ...     round(tfl.nn.BCEWithLogitsLoss()(x, jnp.array([1.0])).item(), 4)
     0.6931
     """
 
@@ -226,7 +229,8 @@ class KLDivLoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.KLDivLoss(reduction="sum")(s.input(jnp.log(jnp.array([0.5, 0.5]))), jnp.array([0.5, 0.5])).item()
+    ...     x = s.input(jnp.log(jnp.array([0.5, 0.5])))
+    ...     tfl.nn.KLDivLoss(reduction="sum")(x, jnp.array([0.5, 0.5])).item()
     0.0
     """
 

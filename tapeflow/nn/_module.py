@@ -400,7 +400,8 @@ class Module:
 
         >>> import numpy as np, tapeflow as tfl
         >>> lin = tfl.nn.Linear(2, 1)
-        >>> lin.load_state_dict({"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)})
+        >>> sd = {"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)}
+        >>> lin.load_state_dict(sd)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
         """
         from ._interop import load_state_dict

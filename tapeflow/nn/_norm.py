@@ -298,7 +298,8 @@ class RMSNorm(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     [round(v, 4) for v in tfl.nn.RMSNorm(2)(s.input(jnp.array([3.0, 4.0]))).tolist()]
+    ...     x = s.input(jnp.array([3.0, 4.0]))
+    ...     [round(v, 4) for v in tfl.nn.RMSNorm(2)(x).tolist()]
     [0.8485, 1.1314]
     """
 
