@@ -85,7 +85,9 @@ def _shape(x: Operand) -> Shape:
 
 def _dtype(x: Operand) -> np.dtype:
     got = getattr(x, "dtype", None)
-    return np.dtype(np.asarray(x).dtype if got is None else got)
+    if got is None or type(got).__module__ == "torch":  # a CPU torch tensor: its dtype is torch's own type
+        return np.asarray(x).dtype
+    return np.dtype(got)
 
 
 def _is_float(x: Operand) -> bool:

@@ -165,6 +165,8 @@ def _dtype_of(x: Operand) -> np.dtype:
     got = getattr(x, "dtype", None)
     if got is None:
         return np.dtype(np.float32) if isinstance(x, builtins.float) else np.asarray(x).dtype
+    if type(got).__module__ == "torch":  # a CPU torch tensor: its dtype is torch's own type
+        return np.asarray(x).dtype
     return np.dtype(got)
 
 
