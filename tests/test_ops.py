@@ -230,6 +230,10 @@ def _linear_ref(x: Any, w: Any, b: Any = None) -> Any:
     return x @ w if b is None else x @ w + b
 
 
+def _linear_t_ref(x: Any, w: Any, b: Any = None) -> Any:
+    return x @ w.T if b is None else x @ w.T + b
+
+
 def _squeeze_ref(x: Any, axis: Any = None) -> Any:
     return jnp.squeeze(x, axis)
 
@@ -270,6 +274,7 @@ REFS: dict[str, Callable[..., Any]] = {
     "max": lambda x, axis=None, keepdims=False: jnp.max(x, axis=axis, keepdims=keepdims),
     "matmul": jnp.matmul,
     "linear": _linear_ref,
+    "linear_t": _linear_t_ref,
     # shape
     "reshape": lambda x, shape: jnp.reshape(x, shape),
     "transpose": lambda x, axes=None: jnp.transpose(x, axes),
@@ -397,6 +402,12 @@ CASES: dict[str, list[Case]] = {
         c(N(2, 3), N(3, 4), id="nobias"),
         c(N(5, 2, 3), N(3, 4), N(4), id="batched-bias"),
         c(N(3), N(3, 2), N(2), id="vector"),
+    ],
+    "linear_t": [  # weight (out, in): PyTorch's layout
+        c(N(2, 3), N(4, 3), id="nobias"),
+        c(N(5, 2, 3), N(4, 3), N(4), id="batched-bias"),
+        c(N(3), N(2, 3), N(2), id="vector"),
+        c(N(2, 3), N(3, 3), N(), id="square-scalar-bias"),
     ],
     # ------------------------------------------------------------------ shape
     "reshape": [
@@ -927,17 +938,33 @@ PUBLIC = [name for name in tfl.ops() if tfl.REGISTRY[name].public]
 PUBLIC_CASES = [(name, case) for name, case in ALL if tfl.REGISTRY[name].public]
 
 
-def test_public_op_functions_exist_and_are_exported() -> None:
-    from tapeflow._shell import _functions
+def _torch_functions() -> dict[str, Callable[..., Any]]:
+    """``tfl.<name>`` bound from the PyTorch surface table (its names and aliases), by name."""
+    from tapeflow._shell._surface import entries
 
+    return {n: e.fn for name, e in entries("tfl").items() for n in (name, *e.aliases)}
+
+
+def test_public_op_functions_exist_and_are_exported() -> None:
+    torch_fns = _torch_functions()
     for name in tfl.ops():
         d = tfl.REGISTRY[name]
-        assert hasattr(tfl, name) == d.public, name
+        assert hasattr(_functions, name) == d.public, name
+        if not d.public:
+            assert not hasattr(tfl, name), name
+            continue
         for alias in d.aliases:
-            assert getattr(tfl, alias) is getattr(tfl, name)
+            assert getattr(_functions, alias) is getattr(_functions, name)
+        for n in (name, *d.aliases):
+            # tfl.<n> is the op's generated function unless PyTorch has the name: then the table's entry
+            assert getattr(tfl, n) is torch_fns.get(n, getattr(_functions, n)), n
     assert set(_functions.__all__) <= set(tfl.__all__)
     aliases = {a for n in PUBLIC for a in tfl.REGISTRY[n].aliases}
     assert set(_functions.__all__) == set(PUBLIC) | aliases | {"dropout"}
+    with tfl.Session() as s:  # every op stays reachable by name, whatever tfl.<name> means
+        x = s.input(jnp.ones((2, 3)))
+        assert tfl.apply("transpose", x, axes=(1, 0)).shape == (3, 2)
+        assert tfl.apply("max", x, axis=1).shape == (2,)
 
 
 HAND_WRITTEN = {"attention": ("dropout", "training")}
@@ -951,7 +978,7 @@ def test_op_function_signature_matches_opdef(name: str) -> None:
     from tapeflow._core._registry import REQUIRED
 
     d = tfl.REGISTRY[name]
-    f = getattr(tfl, name)
+    f = getattr(_functions, name)  # tfl.<name> may be PyTorch's function of that name
     assert (f.__name__, f.__qualname__, f.__module__) == (name, name, "tapeflow")
     assert f.__doc__ and f"``{name}``" in f.__doc__
     assert f.__doc__.startswith(d.doc.rstrip(".")), "an op function's summary starts with its op's"
@@ -994,7 +1021,7 @@ def test_op_function_records_its_op(name: str, case: Case) -> None:
     t, _, out = _run(name, xs, case.attrs)
     with tfl.Session() as s:
         hs = [s.input(jnp.asarray(x)) for x in xs]
-        f = getattr(tfl, name)
+        f = getattr(_functions, name)
         h = f(hs, **case.attrs) if tfl.REGISTRY[name].variadic else f(*hs, **case.attrs)
         assert h.op == name
         assert h.node.parents == tuple(x.id for x in hs)
