@@ -181,7 +181,8 @@ def _tapeflow_builder(variant: str, model: str) -> Callable[[], Callable[[Any, A
             params = dict(lm.parameter_records())  # the tied output included: one slot for the shared storage
 
             def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
-                return tfl.cross_entropy(lm(x), s.input(y))
+                # the registry op takes the classes last: (batch, context, vocab) logits, as measured before
+                return tfl.apply("cross_entropy", lm(x), s.input(y))
 
         opt = tfl.Optimizer(optax.adam(LR), params)
         if variant == "train_step":

@@ -197,7 +197,8 @@ class LMModel(Model):
         model = self.model
 
         def loss_fn(s: tfl.Session, x: Any, y: Any) -> tfl.Tensor:
-            return tfl.cross_entropy(model(x), s.input(y))
+            # the registry op takes the classes last: (batch, context, vocab) logits, as measured before
+            return tfl.apply("cross_entropy", model(x), s.input(y))
 
         return loss_fn
 
