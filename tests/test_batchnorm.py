@@ -227,9 +227,11 @@ def test_momentum_none_no_tracking_and_no_affine_match_torch():
 
 def test_parameters_and_state_cells_are_listed_in_pytorch_order():
     bn = nn.BatchNorm2d(4)
-    names = [n for n, _ in bn.named_parameters()]
-    assert names == list(torch.nn.BatchNorm2d(4).state_dict())
-    assert [p.trainable for _, p in bn.named_parameters()] == [True, True, False, False, False]
+    tbn = torch.nn.BatchNorm2d(4)
+    assert [n for n, _ in bn.named_parameters()] == [n for n, _ in tbn.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in bn.named_buffers()] == [n for n, _ in tbn.named_buffers()]
+    assert list(bn.state_dict()) == list(tbn.state_dict())
+    assert [p.trainable for _, p in bn.parameter_records()] == [True, True, False, False, False]
     assert bn.num_batches_tracked.dtype == np.int32 and bn.running_var.shape == (4,)
 
 

@@ -126,7 +126,7 @@ def test_containers_definition_order_and_repr():
 
 def test_module_contains_itself_does_not_recurse_forever():
     seq = nn.Sequential(nn.Linear(2, 2, key=jax.random.key(0)))
-    seq.layers.append(seq)
+    seq.append(seq)
     assert len(seq.parameters()) == 2
     assert "same module as <root>" in repr(seq)
 
@@ -164,10 +164,10 @@ def _check_layer(module, ref, *inputs, rtol=1e-10, atol=1e-10, jit=False):
 def test_linear_matches_jax():
     lin = nn.Linear(5, 3, key=jax.random.key(0), dtype=F64)
     x = jax.random.normal(jax.random.key(1), (2, 4, 5), F64)
-    _check_layer(lin, lambda v, x: x @ v["weight"] + v["bias"], x)
+    _check_layer(lin, lambda v, x: x @ v["weight"].T + v["bias"], x)
     nob = nn.Linear(5, 3, key=jax.random.key(0), bias=False, dtype=F64)
     assert nob.bias is None and len(nob.parameters()) == 1
-    _check_layer(nob, lambda v, x: x @ v["weight"], x)
+    _check_layer(nob, lambda v, x: x @ v["weight"].T, x)
 
 
 def test_embedding_matches_jax_with_repeated_ids():
@@ -238,9 +238,9 @@ def test_conv2d_matches_lax():
 
 def _mha_ref(v, x, ctx=None, mask=None, *, heads, causal=False):
     ctx = x if ctx is None else ctx
-    q = x @ v["q_proj.weight"] + v["q_proj.bias"]
-    k = ctx @ v["k_proj.weight"] + v["k_proj.bias"]
-    val = ctx @ v["v_proj.weight"] + v["v_proj.bias"]
+    q = x @ v["q_proj.weight"].T + v["q_proj.bias"]
+    k = ctx @ v["k_proj.weight"].T + v["k_proj.bias"]
+    val = ctx @ v["v_proj.weight"].T + v["v_proj.bias"]
     b, lq, d = q.shape
     lk = k.shape[1]
     dh = d // heads
@@ -258,7 +258,7 @@ def _mha_ref(v, x, ctx=None, mask=None, *, heads, causal=False):
     scores = jnp.where(keep, scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
     o = (p @ val).transpose(0, 2, 1, 3).reshape(b, lq, d)
-    return o @ v["out_proj.weight"] + v["out_proj.bias"]
+    return o @ v["out_proj.weight"].T + v["out_proj.bias"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -296,13 +296,13 @@ def test_multi_head_attention_mask_and_context():
 
 def test_mlp_and_sequential_match_jax():
     mlp = nn.MLP([4, 4, 4, 1], key=jax.random.key(0), activation=tfl.tanh, dtype=F64)
-    assert [p.shape for p in mlp.parameters()] == [(4, 4), (4,), (4, 4), (4,), (4, 1), (1,)]
+    assert [p.shape for p in mlp.parameters()] == [(4, 4), (4,), (4, 4), (4,), (1, 4), (1,)]
     x = jax.random.normal(jax.random.key(1), (5, 4), F64)
 
     def ref(v, x):
-        h = jnp.tanh(x @ v["layers.0.weight"] + v["layers.0.bias"])
-        h = jnp.tanh(h @ v["layers.1.weight"] + v["layers.1.bias"])
-        return h @ v["layers.2.weight"] + v["layers.2.bias"]
+        h = jnp.tanh(x @ v["layers.0.weight"].T + v["layers.0.bias"])
+        h = jnp.tanh(h @ v["layers.1.weight"].T + v["layers.1.bias"])
+        return h @ v["layers.2.weight"].T + v["layers.2.bias"]
 
     _check_layer(mlp, ref, x)
 
@@ -312,9 +312,9 @@ def test_mlp_and_sequential_match_jax():
     seq = nn.Sequential(lin, tfl.relu, lin, nn.Linear(4, 1, key=k2, dtype=F64))
 
     def ref_seq(v, x):
-        h = jax.nn.relu(x @ v["0.weight"] + v["0.bias"])
-        h = h @ v["0.weight"] + v["0.bias"]
-        return h @ v["3.weight"] + v["3.bias"]
+        h = jax.nn.relu(x @ v["0.weight"].T + v["0.bias"])
+        h = h @ v["0.weight"].T + v["0.bias"]
+        return h @ v["3.weight"].T + v["3.bias"]
 
     _check_layer(seq, ref_seq, x)
 
@@ -418,7 +418,7 @@ def _lm_batch():
 
 
 def _lm_loss(model):
-    return lambda s, ids, targets: tfl.cross_entropy(model(ids), targets)
+    return lambda s, ids, targets: tfl.apply("cross_entropy", model(ids), targets)
 
 
 def test_tied_lm_gradient_is_sum_of_both_uses():

@@ -67,7 +67,7 @@ def test_a_model_of_new_shapes_compiles_no_initializer():
     k = init.keys(jax.random.key(1), 3)
     kw, kb = init.keys(k[1], 2)
     np.testing.assert_array_equal(
-        np.asarray(m.layers[1].weight.value), jax.random.uniform(kw, (17, 23), jnp.float32, -(17**-0.5), 17**-0.5)
+        np.asarray(m.layers[1].weight.value), jax.random.uniform(kw, (23, 17), jnp.float32, -(17**-0.5), 17**-0.5)
     )
 
 
@@ -77,7 +77,7 @@ def test_layer_initial_values_are_the_jax_random_ones():
     lin = tfl.nn.Linear(6, 3, key=key)
     kw, kb = jax.random.split(key)
     b = 1 / np.sqrt(6)
-    assert same(lin.weight.value, jax.random.uniform(kw, (6, 3), jnp.float32, -b, b))
+    assert same(lin.weight.value, jax.random.uniform(kw, (3, 6), jnp.float32, -b, b))
     assert same(lin.bias.value, jax.random.uniform(kb, (3,), jnp.float32, -b, b))
     emb = tfl.nn.Embedding(10, 4, key=key, std=0.02)
     assert same(emb.weight.value, jax.random.normal(key, (10, 4), jnp.float32) * jnp.float32(0.02))

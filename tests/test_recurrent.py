@@ -188,8 +188,10 @@ def test_parameters_layout_and_init(kind):
     assert no_bias.bias_ih is None and no_bias.bias_hh is None
     assert no_bias.weight_ih.dtype == np.dtype("float64")
     assert repr(cell).startswith(f"{cls.__name__}({IN}, {HID}, bias=True)")
-    with pytest.raises(TypeError, match=f"{cls.__name__}: pass key="):
-        cls(IN, HID, key=None)
+    tfl.nn.init.manual_seed(3)  # without key=: the default seed stream, as PyTorch code builds a cell
+    a = cls(IN, HID)
+    tfl.nn.init.manual_seed(3)
+    assert np.array_equal(np.asarray(cls(IN, HID).weight_hh.value), np.asarray(a.weight_hh.value))
 
 
 # --------------------------------------------------------------------------- errors

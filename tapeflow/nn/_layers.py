@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -386,7 +387,7 @@ class MultiHeadAttention(Module):
         k = self._heads(self.k_proj(kv_in))
         v = self._heads(self.v_proj(kv_in))
         if mask is not None and len(np.shape(mask)) == xq.ndim and xq.ndim >= 3:
-            mask = R.expand_dims(mask, -3) if isinstance(mask, Tensor) else np.expand_dims(np.asarray(mask), -3)
+            mask = R.expand_dims(mask, -3) if isinstance(mask, Tensor) else jnp.expand_dims(jnp.asarray(mask), -3)
         if self.dropout:  # the train/eval mode is read (and keys compiled programs) only when it matters
             o = R.attention(
                 q, k, v, mask, causal=self.causal, dropout=self.dropout, training=None if self.training else False
