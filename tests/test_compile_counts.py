@@ -257,7 +257,11 @@ def test_a_different_hyperparameter_compiles_its_own_update():
     what = [r.what for r in log.tapeflow_records()]
     assert len(what) == 2 and what[0] == "optimizer state init (4 slots)", what
     assert what[1].startswith("lazy step program"), what  # the eager backward fused with the new update
-    assert log.tapeflow_records()[0].why == "first time"
+    # the step program of a structure that compiled before: its new rule is why (nothing was dropped)
+    assert [r.why for r in log.tapeflow_records()] == [
+        "first time",
+        "new optimizer update rule (another optax transformation or hyperparameter)",
+    ]
     moved = [np.abs(a - b).max() for a, b in zip(values(m), before)]
     assert max(moved) > 0.2  # Adam's first step moves each weight by about the learning rate: 0.25, not 0.01
 
@@ -274,6 +278,15 @@ def test_a_second_train_step_of_one_structure_reads_its_program_from_the_cache()
     recs = log.tapeflow_records()
     assert [r.what.split()[0] for r in recs] == ["train_step"]
     assert recs[0].cached, str(recs[0])  # traced again (a new loss function), but no XLA compile
+    # this process's first compile of it, read from the cache: the line does not say "first time" alone
+    assert str(recs[0]).startswith("tapeflow: read train_step ") and " from the compilation cache in " in str(recs[0])
+    assert str(recs[0]).endswith(": first time in this process"), str(recs[0])
+
+
+def test_a_record_read_from_the_cache_is_not_called_compiled_for_the_first_time():
+    rec = tfl.CompileRecord("train_step f", "first time", 0.25, True, 1)
+    assert str(rec) == "tapeflow: read train_step f from the compilation cache in 0.250 s: first time in this process"
+    assert str(rec._replace(cached=False)) == "tapeflow: compiled train_step f in 0.250 s: first time"
 
 
 # --------------------------------------------------------------------------- every compile explained

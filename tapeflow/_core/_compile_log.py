@@ -94,8 +94,11 @@ class CompileRecord(NamedTuple):
     times: int
 
     def __str__(self) -> str:
-        how = "read from the compilation cache" if self.cached else "compiled"
-        return f"tapeflow: {how} {self.what} in {self.seconds:.3f} s: {self.why}"
+        if not self.cached:
+            return f"tapeflow: compiled {self.what} in {self.seconds:.3f} s: {self.why}"
+        # ``why`` counts this process's compiles: a program an earlier process compiled is its first here
+        why = "first time in this process" if self.why == "first time" else self.why
+        return f"tapeflow: read {self.what} from the compilation cache in {self.seconds:.3f} s: {why}"
 
 
 class _Note(NamedTuple):
@@ -171,7 +174,13 @@ def _why(old: tuple[SigEntry, ...] | None, new: tuple[SigEntry, ...]) -> str:
             continue
         was = before.pop((label, kind))
         if was != v:
-            changes.append(f"new structure: {v}" if kind == "structure" else f"new {kind} of {label}: {was} -> {v}")
+            changes.append(
+                f"new structure: {v}"
+                if kind == "structure"
+                else f"new {label}"  # an identity's value (a hash) says nothing to a reader
+                if kind == "identity"
+                else f"new {kind} of {label}: {was} -> {v}"
+            )
     changes += sorted({f"no {label} any more" for label, _ in before})
     if not changes:
         return "the same signature again (its compiled program was dropped: an evicted cache entry or jax.clear_caches)"

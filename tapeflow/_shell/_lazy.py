@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from itertools import compress, repeat
 from typing import NamedTuple, Protocol, TypeAlias, TypeVar, cast
@@ -63,8 +64,11 @@ __all__ = [
     "Deferred",
     "LazyGrads",
     "LazyRecording",
+    "ParameterGroups",
     "ProgramKey",
+    "Ref",
     "materialize",
+    "weak",
 ]
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
@@ -107,6 +111,40 @@ def _intern(meta: NodeKey) -> int:
     return i
 
 
+Ref: TypeAlias = Callable[[], object]
+"""How a plan names a Param or a storage: calling it gives the object, or None once it was freed."""
+
+
+class _Kept:
+    """A :data:`Ref` to an object that takes no weak reference (a registration of an advanced user): held as it is."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __call__(self) -> object:
+        return self.obj
+
+
+def weak(obj: object) -> Ref:
+    """A weak reference to ``obj`` where it takes one (a :class:`_Kept` else).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2))
+    >>> weak(w)() is w
+    True
+    """
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return _Kept(obj)
+
+
+class ParameterGroups(list[ParameterGroup]):
+    """The parameter groups of a backward: a list a plan can refer to weakly (see :class:`BackwardPlan`)."""
+
+
 class BackwardPlan(NamedTuple):
     """What a lazy ``backward`` worked out for one recording, reused while the next one is the same.
 
@@ -115,15 +153,22 @@ class BackwardPlan(NamedTuple):
     whose parameter leaves register the very same Params and storages: then the
     requested ids, the parameter groups and the checks of the root, the seed and
     the VJPs (traced once) are those of the plan.
+
+    A session keeps its plan across steps, and a notebook rebuilds its model in
+    the same session: the plan names the Params, storages and groups weakly, so a
+    dropped model's arrays are freed (a freed Param no longer matches). The groups
+    live as long as the Grads or the optimizer's fused step that use them;
+    :meth:`groups` makes them again from the plan's layout when they went.
     """
 
     struct: Structure
     root: NodeId
     wrt: tuple[NodeId, ...]
-    params: dict[NodeId, ParameterRecord]
-    storages: dict[NodeId, Storage]
+    params: dict[NodeId, Ref]
+    storages: dict[NodeId, Ref]
     ids: list[NodeId]
-    groups: list[ParameterGroup]
+    layout: tuple[tuple[NodeId, Ref, tuple[NodeId, ...], Ref | None], ...]  # per group: id, Param, leaves, storage
+    made: list[Callable[[], ParameterGroups | None]]  # the groups last handed out (a weak reference)
 
     @classmethod
     def of(
@@ -134,9 +179,34 @@ class BackwardPlan(NamedTuple):
         params: Mapping[NodeId, ParameterRecord],
         storages: Mapping[NodeId, Storage],
         ids: list[NodeId],
-        groups: list[ParameterGroup],
+        groups: ParameterGroups,
     ) -> BackwardPlan:
-        return cls(struct, root, wrt, dict(params), dict(storages), ids, groups)
+        return cls(
+            struct,
+            root,
+            wrt,
+            {i: weak(p) for i, p in params.items()},
+            {i: weak(st) for i, st in storages.items()},
+            ids,
+            tuple((g.id, weak(g.parameter), g.leaves, None if g.storage is None else weak(g.storage)) for g in groups),
+            [weakref.ref(groups)],
+        )
+
+    def groups(self) -> ParameterGroups | None:
+        """The plan's parameter groups: the ones last handed out while something holds them (the optimizer's
+        fused step keys its slot mapping by their identity), else made again; None: a Param of the plan was freed.
+        """
+        got = self.made[0]()
+        if got is not None:
+            return got
+        out = ParameterGroups()
+        for i, p, leaves, st in self.layout:
+            prm, sto = p(), None if st is None else st()
+            if prm is None or (st is not None and sto is None):
+                return None
+            out.append(ParameterGroup(i, prm, leaves, cast("Storage | None", sto)))
+        self.made[0] = weakref.ref(out)
+        return out
 
     def matches(
         self,
@@ -154,13 +224,13 @@ class BackwardPlan(NamedTuple):
 
     def same_params(self, params: Mapping[NodeId, ParameterRecord], storages: Mapping[NodeId, Storage]) -> bool:
         """Whether the leaves ``params`` and ``storages`` register are the plan's: the very same Params and
-        storages at the same leaves (by identity)."""
+        storages at the same leaves (by identity; a freed one matches nothing)."""
         mine, st = self.params, self.storages
         if len(params) != len(mine) or len(storages) != len(st):
             return False
         # the very same Params and storages at the same leaves (identity, compared without a Python loop body)
-        return all(map(operator.is_, map(params.get, mine), mine.values())) and all(
-            map(operator.is_, map(storages.get, st), st.values())
+        return all(map(operator.is_, map(params.get, mine), map(operator.call, mine.values()))) and all(
+            map(operator.is_, map(storages.get, st), map(operator.call, st.values()))
         )
 
 
@@ -263,12 +333,15 @@ def _skeleton(tape: Tape) -> Tape:
     return with_values(tape, [None] * len(tape))
 
 
-def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...], state: object = None) -> None:
+def _log_trace(
+    name: str, what: str, skel: Tape, pending: tuple[NodeId, ...], state: object = None, step: Hashable = None
+) -> None:
     """Tell the compile log (while ``name`` is traced) what compiles: counted per recording without its shapes.
 
     The signature is the shape and dtype of every leaf, each node's attributes and (a step
-    program) the optimizer state's leaves with their weak types, so a recompile names the
-    input whose shape changed (a new batch size), the attribute or the state leaf.
+    program) the optimizer state's leaves with their weak types and the update rule it runs (equal
+    for equal optax structures and hyperparameters), so a recompile names the input whose shape
+    changed (a new batch size), the attribute, the state leaf or the new rule.
     """
     nodes = skel.nodes
     ops = tuple((nd.op, nd.opdef, nd.parents, nd.requires_grad) for nd in nodes)
@@ -281,7 +354,12 @@ def _log_trace(name: str, what: str, skel: Tape, pending: tuple[NodeId, ...], st
                 sig.append((f"input node {i}", "dtype", str(nd.dtype)))
             else:
                 sig += [(f"node {i} ({nd.op}) attribute {k}", "static value", v) for k, v in nd.attrs]
-        return sig + _compile_log.tree_signature(state, "optimizer state leaf")
+        sig += _compile_log.tree_signature(state, "optimizer state leaf")
+        if step is not None:
+            sig.append(
+                ("optimizer update rule (another optax transformation or hyperparameter)", "identity", hash(step))
+            )
+        return sig
 
     _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
 
@@ -483,7 +561,7 @@ class LazyGrads:
             def lazy_step_program(
                 given: list[Array], seed: Array | None, rest: list[Array], state: OptState, step_fn: StepFn[S]
             ) -> tuple[S, Array]:
-                _log_trace("lazy_step_program", "lazy step program", skel, pending, state)
+                _log_trace("lazy_step_program", "lazy step program", skel, pending, state, step_fn)
                 by_leaf, value = _gradients(skel, pend, given, seed, root, ids)
                 parts = [None if ls is None else tuple(by_leaf[i] for i in ls) for ls in slots]
                 others = iter(rest)

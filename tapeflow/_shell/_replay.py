@@ -58,8 +58,8 @@ from .._core._node import PENDING, Node
 from .._core._result import TapeError
 from .._core._tape import Tape, append_nodes, fill_pending, kernel_failed
 from .._core._typing import Array, NodeId, Shape
-from ._lazy import BackwardPlan, Structure
-from ._params import Param, Storage
+from ._lazy import BackwardPlan, Ref, Structure, weak
+from ._params import Param
 from ._tensor import Tensor
 
 __all__ = [
@@ -124,7 +124,7 @@ class Event:
         attrs: Hashable,
         kinds: tuple[int, ...],
         refs: tuple[object, ...],
-        storages: tuple[Storage | None, ...],
+        storages: tuple[Ref | None, ...],
         trainable: tuple[bool, ...],
         tracked: bool,
         plan: tuple[tuple[int, NodeArgs, int], ...],
@@ -135,8 +135,10 @@ class Event:
         self.opdef = opdef
         self.attrs = attrs  # the call's attributes as the op check keys them (typed: 1, 1.0 and True differ)
         self.kinds = kinds  # per operand: TENSOR, PARAM or SCALAR
-        self.refs = refs  # per operand: the node id, the Param, the number
-        self.storages = storages  # per operand: the Param's storage when recorded
+        # per operand: the node id, the Param (a weak reference: an outline outlives the recording, and must not
+        # keep a dropped model's arrays alive), the number
+        self.refs = refs
+        self.storages = storages  # per operand: the Param's storage when recorded (a weak reference)
         self.trainable = trainable  # per operand: the Param's trainable flag when recorded
         self.tracked = tracked  # gradients were recorded (grad_enabled and no no_grad block)
         # per appended node: (_OP, _USE or _CONST, what rebuilds it, operand): an op node's Node arguments, a
@@ -149,8 +151,8 @@ class Event:
         self.hosts: dict[int, tuple[bytes, Array, jax.Device | None]] = {}
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)
-        # ``(offset, Param)`` of each Param leaf among the appended nodes
-        self.uses = tuple((j, cast(Param, refs[k])) for j, (code, _, k) in enumerate(plan) if code == _USE)
+        # ``(offset, operand)`` of each Param leaf among the appended nodes
+        self.uses = tuple((j, k) for j, (code, _, k) in enumerate(plan) if code == _USE)
         # this event's match with its tests written out, made when it first replays (a training loop replays
         # one event per op per step)
         self._fast: Replay | None = None
@@ -200,7 +202,7 @@ class Event:
                     return None
             elif kind == PARAM:
                 # (an event holds no bound Param, and a Param's binding is fixed at creation: identity covers it)
-                if o is not r or o.storage is not st or o.trainable is not tr:  # type: ignore[attr-defined]
+                if o is not cast(Ref, r)() or o.storage is not cast(Ref, st)() or o.trainable is not tr:  # type: ignore[attr-defined]
                     return None
             elif kind == ARRAY:  # placed on the device already: its leaf holds it as it is
                 if type(o) is not concrete_array_type() or (o.shape, o.dtype) != r or device_of(o) is not device:  # type: ignore[attr-defined]
@@ -221,7 +223,7 @@ class Event:
             else args[3].value
             for code, args, k in self.plan[:-1]
         ]
-        return self.nodes(leaves), list(self.uses)
+        return self.nodes(leaves), [(j, cast(Param, operands[k])) for j, k in self.uses]
 
     def compute(self, new: list[Node], tape: Tape) -> None:
         """Run the op of a replayed call now (an eager session's): its kernel on its operands' values, the nodes
@@ -269,7 +271,7 @@ class Event:
         and normalized attributes the op was checked with; ``kernel``: its compiled forward for them."""
         kinds: list[int] = []
         refs: list[object] = []
-        storages: list[Storage | None] = []
+        storages: list[Ref | None] = []
         trainable: list[bool] = []
         leaves = dict(zip(sources, nodes))  # operand position -> the leaf recorded for it
         for k, o in enumerate(operands):
@@ -280,8 +282,8 @@ class Event:
                 if o.bound:
                     return None  # a pytree view of a Param records its bound value: not replayed
                 kinds.append(PARAM)
-                refs.append(o)
-                storages.append(o.storage)
+                refs.append(weak(o))
+                storages.append(weak(o.storage))
                 trainable.append(o.trainable)
                 continue
             elif type(o) in (int, float, bool):
@@ -360,7 +362,9 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
             body.append(f"    if type(o{k}) is not Tensor or o{k}.id != {int(cast(int, r))}:")
         elif kind == PARAM:
             ns[f"P{k}"], ns[f"S{k}"], ns[f"T{k}"] = r, ev.storages[k], ev.trainable[k]
-            body.append(f"    if o{k} is not P{k} or o{k}.storage is not S{k} or o{k}.trainable is not T{k}:")
+            body.append(
+                f"    if o{k} is not P{k}() or (s{k} := o{k}.storage) is not S{k}() or o{k}.trainable is not T{k}:"
+            )
         elif kind == ARRAY:
             ns[f"R{k}"] = r
             body.append(
@@ -386,8 +390,8 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
             nodes.append(f"Node(*A{j})")
         elif code == _USE:
             uses.append(f"({j}, o{k})")
-            nodes.append(f"Node(None, (), (), S{k}.read(device), *A{j})")
-            values.append(f"S{k}.read(device)")
+            nodes.append(f"Node(None, (), (), s{k}.read(device), *A{j})")
+            values.append(f"s{k}.read(device)")
         elif code == _ARR:
             v = f"h{k}" if ev.kinds[k] == HOST else f"o{k}"
             nodes.append(f"Node(None, (), (), {v}, *A{j})")
@@ -503,7 +507,7 @@ class Lane:
     read from there (:meth:`Session.value <tapeflow.Session.value>`).
     """
 
-    __slots__ = ("base", "built", "filled", "outline", "pos", "starts", "uses", "vals")
+    __slots__ = ("base", "built", "filled", "held", "outline", "pos", "starts", "uses", "vals")
 
     def __init__(self, outline: Outline, base: Tape) -> None:
         self.outline = outline
@@ -514,6 +518,9 @@ class Lane:
         self.built: Tape | None = None
         self.starts: list[tuple[NodeId, Event]] = []  # set by tape(): the events replayed, by position
         self.uses: list[tuple[NodeId, Param]] = []  # set by tape(): the Param leaves
+        # the operands of each replayed call that used a Param: this recording holds its Params (the outline
+        # names them weakly), as a recording whose nodes are built does
+        self.held: list[Sequence[object]] = []
 
     @property
     def whole(self) -> bool:
@@ -558,7 +565,7 @@ class Lane:
             starts.append((n, ev))
             size = len(ev.plan)
             out += ev.nodes(islice(vals, size - 1), filled.get(n + size - 1, PENDING))
-            uses += [(n + j, p) for j, p in ev.uses]
+            uses += [(n + j, cast(Param, cast(Ref, ev.refs[k])())) for j, k in ev.uses]
             n += size
         t = self.built = append_nodes(self.base, out)
         self.starts, self.uses = starts, uses

@@ -50,7 +50,7 @@ from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRN
 from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import BackwardPlan, LazyGrads, LazyRecording, Structure, materialize
+from ._lazy import BackwardPlan, LazyGrads, LazyRecording, ParameterGroups, Structure, materialize
 from ._params import Param, Storage
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
 from ._replay import Event, Lane, Outline, node_key, registered_outside
@@ -244,6 +244,10 @@ class Session:
         self.selected_backends: list[tuple[str, str]] = []
         self._backend_seen: set[str] = set()
         self._tokens: list[contextvars.Token[Session | None]] = []
+        # what ended each recent generation (True: the exit of a ``with s:`` block, False: a reset() call), so a
+        # stale handle's error names the reset the user made; bounded, oldest forgotten first
+        self._ended_by_exit: dict[int, bool] = {}
+        self._exiting = False
         self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
         # the parts: how values enter, where Param uses read, the random stream, state writes, grad controls
         self._values = ValuePolicy(self.device, self._owner)
@@ -417,9 +421,23 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         try:
+            self._exiting = True
             self.reset()
         finally:
+            self._exiting = False
             pop_current(self._tokens.pop())
+
+    def _stale_reason(self, generation: int) -> str:
+        """What invalidated handles of ``generation`` (an older one): the end of a ``with`` block or a reset()."""
+        by_exit = self._ended_by_exit.get(generation)
+        if by_exit is None:
+            return "a Session.reset() or the end of a `with s:` block invalidated handles recorded before it"
+        if by_exit:
+            return (
+                "the `with s:` block it was recorded in has ended, and leaving the block resets the session, "
+                "which invalidates its handles: read what you need inside the block (float(loss), loss.value)"
+            )
+        return "Session.reset() invalidates handles recorded before it"
 
     def as_current(self) -> AbstractContextManager[Session]:
         """Make this the current session for a block, without resetting it afterwards.
@@ -712,6 +730,8 @@ class Session:
                     akey = None
                 tracked = self.grad_enabled and not self._grad.depth
                 if ev.lane(opname, operands, akey, tracked, self.device, lane.vals, self._host_leaf):
+                    if ev.uses:
+                        lane.held.append(operands)
                     n = lane.pos = lane.pos + len(ev.plan)
                     note_recorded(self._ref)
                     shape, dtype = ev.out
@@ -991,15 +1011,17 @@ class Session:
                 struct, loss.id, seed, wrt_ids, self._params_by_leaf, self._storage_by_leaf
             ):
                 plan = None
-        if plan is not None:
-            ids, groups = plan.ids, plan.groups
+        kept = None if plan is None else plan.groups()
+        if plan is not None and kept is not None:
+            ids, groups = plan.ids, kept
         else:
+            plan = None
             # every trainable leaf gets a gradient (zeros when the loss does not reach it)
             nodes = old.nodes
             ids = [i for i, nd in enumerate(nodes[: loss.id + 1]) if nd.op is None and nd.requires_grad]
             ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
             ids += [h.id for h in wrt]
-            groups = self.parameter_groups()
+            groups = ParameterGroups(self.parameter_groups())
         if not lazy:
             self.materialize()  # the sweep below reads every value
         by_leaf: dict[NodeId, Any] | LazyGrads
@@ -1059,8 +1081,10 @@ class Session:
         lane = cast(Lane, self._lane)
         ol = lane.outline
         plan = ol.plan
+        groups = None if plan is None else plan.groups()
         if (
             plan is None
+            or groups is None
             or plan is not self._lazy.plan
             or plan.root != loss.id
             or plan.wrt
@@ -1071,12 +1095,12 @@ class Session:
             or any(self._grad.hooks.values())
         ):
             return None
-        for group in plan.groups:
+        for group in groups:
             if group.storage is not None and group.storage.hooks:
                 return None
         grads = Grads(
             LazyGrads(cast(Structure, ol.struct), lane, loss.id, None, plan.ids),
-            plan.groups,
+            groups,
             self._owner,
             self._generation,
         )
@@ -1170,6 +1194,10 @@ class Session:
             self._sites = Sites()
         if self._mode != "traced":
             self._lazy = LazyRecording(self._lazy.plan)  # pending values nobody read are dropped with the tape
+        ended = self._ended_by_exit
+        ended[self._generation] = self._exiting
+        if len(ended) > 64:
+            del ended[next(iter(ended))]
         self._generation += 1
 
     def _keep_outline(self) -> None:

@@ -503,7 +503,7 @@ def check_handle(h: Tensor, s: Session | None) -> Session:
     if h._generation != s.generation:
         raise TapeError(
             f"stale tensor handle from generation {h._generation}; current generation is {s.generation} "
-            "(Session.reset() invalidates handles recorded before it)"
+            f"({s._stale_reason(h._generation)})"
         )
     return s
 
