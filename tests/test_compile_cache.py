@@ -136,3 +136,30 @@ def test_trim_removes_the_oldest_programs_beyond_the_bound_at_most_once_a_day(tm
 def test_a_folder_that_is_not_a_path_is_refused_with_the_fix(bad: object) -> None:
     with pytest.raises(TypeError, match=r"set_cache_dir: .*folder.*None"):
         tfl.set_cache_dir(bad)  # type: ignore[arg-type]
+
+
+def test_a_cache_path_that_is_a_file_is_said_once_and_turns_the_cache_off(tmp_path: Path) -> None:
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder")
+    env = {k: v for k, v in os.environ.items() if k not in ("TAPEFLOW_CACHE_DIR", "TAPEFLOW_TEST_XLA_CACHE")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    for asked, where in ((blocker, "is a file"), (blocker / "sub", f"is below {blocker}, which is a file")):
+        env["TAPEFLOW_CACHE_DIR"] = str(asked)
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE, "train"], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["cache_dir"] is None and got["hits"] == got["misses"] == 0  # off: nothing read nor written
+        said = [line for line in proc.stderr.splitlines() if "Warning" in line or "warn" in line.lower()]
+        assert len(said) == 1, proc.stderr  # one warning, tapeflow's (JAX has nothing to warn about)
+        assert f"TAPEFLOW_CACHE_DIR: {asked} {where}" in said[0] and "tfl.cache_dir() is None" in said[0]
+    assert blocker.read_text() == "a file, not a folder"
+
+
+def test_set_cache_dir_refuses_a_file_and_keeps_the_cache_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    before = tfl.cache_dir()
+    with pytest.raises(NotADirectoryError, match=r"set_cache_dir: .*f is a file.*left as it was"):
+        tfl.set_cache_dir(tmp_path / "f")
+    assert tfl.cache_dir() == before

@@ -10,7 +10,8 @@ a training loop is made of. tapeflow turns it on when it is imported:
 * ``TAPEFLOW_CACHE_DIR`` unset: a per-user folder (``platformdirs.user_cache_dir``,
   e.g. ``~/.cache/tapeflow`` on Linux), unless the program already set JAX's
   ``jax_compilation_cache_dir`` itself, which is then left as it is;
-* ``TAPEFLOW_CACHE_DIR=/some/path``: that folder; ``TAPEFLOW_CACHE_DIR=""``: off.
+* ``TAPEFLOW_CACHE_DIR=/some/path``: that folder; ``TAPEFLOW_CACHE_DIR=""``: off. A path that cannot be
+  a folder (it, or a folder above it, is a file) turns the cache off with one warning that says so.
 
 :func:`set_cache_dir` changes it later (``None``: off). Programs go in a
 subfolder named by the jax and jaxlib versions, so programs compiled by another
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -107,6 +109,25 @@ def trim(folder: str | os.PathLike[str], max_bytes: int = MAX_BYTES, *, force: b
     return removed
 
 
+def _file_in_the_way(path: Path) -> Path | None:
+    """The file at ``path`` or above it that keeps ``path`` from being a folder (None: it can be one)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _not_a_folder(path: Path, blocker: Path, source: str) -> str:
+    where = "is a file" if blocker == path else f"is below {blocker}, which is a file"
+    said = f"{source}: {path} {where}, so it cannot hold compiled programs"
+    if source == "set_cache_dir":
+        return f"{said}; the cache is left as it was. Pass a folder (or None to turn the cache off)"
+    return (
+        f"{said}; the persistent compilation cache is off in this process (tfl.cache_dir() is None). Point "
+        f"{ENV} at a folder, or set it to '' to turn the cache off without this warning"
+    )
+
+
 def set_cache_dir(folder: str | os.PathLike[str] | None) -> Path | None:
     """Keep compiled programs in ``folder`` (in its subfolder for this jax version); ``None`` turns the cache off.
 
@@ -124,12 +145,19 @@ def set_cache_dir(folder: str | os.PathLike[str] | None) -> Path | None:
     (True, None)
     >>> tfl.set_cache_dir(before) == before
     True
+
+    A path that cannot be a folder (it, or a folder above it, is a file) raises
+    :class:`NotADirectoryError` and leaves the cache as it was.
     """
     if folder is not None and not isinstance(folder, (str, os.PathLike)):
         raise TypeError(
             f"set_cache_dir: the folder must be a path (str or os.PathLike), got {type(folder).__name__} "
             f"{folder!r}; pass None to turn the persistent compilation cache off"
         )
+    if folder is not None:
+        blocker = _file_in_the_way(Path(folder))
+        if blocker is not None:
+            raise NotADirectoryError(_not_a_folder(Path(folder), blocker, "set_cache_dir"))
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     cc.reset_cache()  # JAX reads its settings once, at its first compile: read them again at the next one
@@ -162,8 +190,13 @@ def cache_dir() -> Path | None:
 def setup_from_environment() -> Path | None:
     """At import: the cache ``TAPEFLOW_CACHE_DIR`` asks for (see the module's docstring); the folder or None."""
     asked = os.environ.get(ENV)
-    if asked is None:
-        if _jax_folder():  # the program set JAX's cache up itself: its choice stands
-            return cache_dir()
-        return set_cache_dir(_default_folder())
-    return set_cache_dir(asked or None)
+    if asked is None and _jax_folder():  # the program set JAX's cache up itself: its choice stands
+        return cache_dir()
+    if asked == "":
+        return set_cache_dir(None)
+    path = _default_folder() if asked is None else Path(asked)
+    blocker = _file_in_the_way(path)
+    if blocker is not None:  # said once, here: with the cache off, JAX has nothing to warn about at each compile
+        warnings.warn(_not_a_folder(path, blocker, ENV if asked else "the default cache folder"), stacklevel=2)
+        return set_cache_dir(None)
+    return set_cache_dir(path)
