@@ -245,11 +245,11 @@ def test_sources_numpy_and_jax_arrays_and_torch_bfloat16(torch):
     for conv in (lambda t: t.detach().numpy(), lambda t: jnp.asarray(t.detach().numpy())):
         fresh = nn.MLP([5, 16, 8, 3], key=jax.random.key(7))
         tfl.nn.load_state_dict(fresh, {k: conv(v) for k, v in sd.items()})
-        assert np.array_equal(fresh.layers[0].weight.value, sd["layers.0.weight"].numpy().T)
+        assert np.array_equal(fresh.layers[0].weight.value, sd["layers.0.weight"].numpy())
     lin = nn.Linear(3, 2, key=jax.random.key(0), dtype=jnp.bfloat16)
     tlin = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
     tfl.nn.load_state_dict(lin, tlin.state_dict())
-    assert np.array_equal(np.asarray(lin.weight.value, np.float32), tlin.weight.detach().float().numpy().T)
+    assert np.array_equal(np.asarray(lin.weight.value, np.float32), tlin.weight.detach().float().numpy())
 
 
 def test_loaded_values_do_not_alias_the_source(torch):
@@ -280,7 +280,7 @@ def test_missing_and_unexpected_keys(torch):
     assert res == (["layers.2.bias"], ["layers.3.weight"])
     assert res.missing_keys == ["layers.2.bias"] and res.unexpected_keys == ["layers.3.weight"]
     assert np.array_equal(model.layers[2].bias.value, before[5])  # the missing one kept its value
-    assert np.array_equal(model.layers[0].weight.value, sd["layers.0.weight"].numpy().T)
+    assert np.array_equal(model.layers[0].weight.value, sd["layers.0.weight"].numpy())
 
 
 @pytest.mark.parametrize(
@@ -332,7 +332,7 @@ def test_mha_packed_in_proj_shape_is_checked(torch):
 
 def test_error_names_the_layer_and_the_layout(torch):
     lin = nn.Linear(3, 2, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"Linear at '<root>' holds float32\[3,2\]; PyTorch layout: transposed"):
+    with pytest.raises(ValueError, match=r"Linear at '<root>' holds float32\[2,3\]; PyTorch layout: as stored"):
         tfl.nn.load_state_dict(lin, {"weight": np.zeros((3, 2), np.float32), "bias": np.zeros(2, np.float32)})
 
 
