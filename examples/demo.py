@@ -213,6 +213,21 @@ def time_steps(step: Any, x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], n
     return (time.perf_counter() - t0) / n
 
 
+DEMO_EXTRA = (
+    "demo.py needs scikit-learn (the digits data) and tqdm (the progress bar), which the demo extra installs: "
+    "pip install -e '.[demo]' in a checkout, or pip install 'tapeflow[demo]'"
+)
+
+
+def require_demo_extra() -> None:
+    """Exit with what to install when the ``[demo]`` extra is missing (a raw ModuleNotFoundError says less)."""
+    try:
+        import sklearn  # noqa: F401
+        import tqdm  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"{DEMO_EXTRA} (missing: {e.name})") from None
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=40)
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="mixed precision, e.g. bfloat16: float32 parameters, ops computed in this dtype (default: float32)",
     )
     args = ap.parse_args(argv)
+    require_demo_extra()
     if args.plot is not None:
         _figure_api()  # fail now, not after training, when matplotlib is missing
 

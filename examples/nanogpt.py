@@ -37,7 +37,11 @@ import optax
 import tapeflow as tfl
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_TORCH = "nanogpt.py needs PyTorch for its reference model: pip install torch (or pip install -e '.[dev]')"
+NO_TORCH = (
+    "nanogpt.py needs PyTorch for its reference model; install its CPU build (the default wheel is a CUDA "
+    "build of several GB): pip install torch --index-url https://download.pytorch.org/whl/cpu, "
+    "or pip install -e '.[dev]' in a checkout"
+)
 
 
 def gelu_tanh(x: Any) -> tfl.Tensor:
