@@ -1,4 +1,4 @@
-"""``tfl.numpy``: the ``jax.numpy`` (and ``jax.nn`` / ``jax.scipy.special``) mirrors on session tensors.
+"""``tfl.numpy``: the ``jax.numpy`` (and ``jax.numpy.linalg`` / ``jax.nn`` / ``jax.scipy.special``) mirrors on session tensors.
 
 Generated from the module's own tables: every supported function gets one case
 (random float64 inputs in the function's domain, from the small table of input
@@ -152,16 +152,63 @@ CASES: dict[str, Case] = {
     "softmax": Case(static={"axis": 0}),
 }
 
+
+def spd(n: int) -> Maker:
+    """A symmetric positive definite matrix (cholesky, eigh): distinct, well separated eigenvalues."""
+
+    def make(r: np.random.Generator) -> np.ndarray:
+        q, _ = np.linalg.qr(r.standard_normal((n, n)))
+        return (q * np.linspace(1.0, 3.0, n)) @ q.T
+
+    return make
+
+
+def square(n: int, *lead: int) -> Maker:
+    """A well-conditioned square matrix (det, inv, solve): the identity times 4 plus normals."""
+    return lambda r: r.standard_normal((*lead, n, n)) + 4.0 * np.eye(n)
+
+
+def tensor_square(*shape: int) -> Maker:
+    """A well-conditioned square matrix reshaped to ``shape`` (tensorsolve, tensorinv)."""
+    n = int(np.sqrt(np.prod(shape)))
+    return lambda r: (r.standard_normal((n, n)) + 4.0 * np.eye(n)).reshape(shape)
+
+
+LINALG_CASES: dict[str, Case] = {
+    **{n: Case([square(4)]) for n in ("det", "slogdet", "inv", "cond")},
+    "matrix_power": Case([square(3)], static={"n": 3}),
+    "solve": Case([square(4), normal(4, 2)]),
+    "lstsq": Case([normal(4, 3), normal(4, 2)]),
+    "tensorsolve": Case([tensor_square(2, 3, 6), normal(2, 3)]),
+    "tensorinv": Case([tensor_square(6, 2, 3)], static={"ind": 1}),
+    **{n: Case([spd(4)]) for n in ("cholesky", "eigh", "eigvalsh")},
+    "qr": Case([normal(4, 3)]),
+    # jax differentiates U and V of the full decomposition only for square matrices
+    "svd": Case([normal(4, 3)], static={"full_matrices": False}),
+    "svdvals": Case([normal(4, 3)]),
+    "pinv": Case([normal(4, 3)]),
+    "matrix_rank": Case([normal(4, 3)]),
+    "multi_dot": Case([normal(3, 4), normal(4, 5), normal(5, 2)], call=seq),
+    "matmul": Case([normal(3, 4), normal(4, 2)]),
+    "outer": Case([normal(3), normal(4)]),
+    "cross": Case([normal(4, 3), normal(4, 3)]),
+    "vecdot": Case([normal(3, 4), normal(3, 4)], static={"axis": 0}),
+    "trace": Case(static={"offset": 1}),
+    "diagonal": Case(static={"offset": -1}),
+}
+
 # every supported function: (namespace, name, function, the jax function it mirrors)
 ALL = [
     (label, name, f, f.impl.spec.source)
-    for label, table in (("numpy", tnp.FUNCTIONS), ("nn", tnp.NN), ("special", tnp.SPECIAL))
+    for label, table in (("numpy", tnp.FUNCTIONS), ("nn", tnp.NN), ("special", tnp.SPECIAL), ("linalg", tnp.LINALG))
     for name, f in table.items()
 ]
 
 
-def _case(name: str, f: Callable[..., Any]) -> Case:
-    case = CASES.get(name, Case())
+def _case(name: str, f: Callable[..., Any], label: str = "numpy", case: Case | None = None) -> Case:
+    """The case of ``label.name`` (or ``case``), its inputs filled in: one (3, 4) normal array per operand."""
+    if case is None:
+        case = (LINALG_CASES if label == "linalg" else CASES).get(name, Case())
     if case.inputs is None:
         spec = f.impl.spec  # type: ignore[attr-defined]
         n = 2 if spec.sequence else len([o for o in spec.operands if o not in spec.optional])
@@ -191,8 +238,41 @@ def _close(a: Any, b: Any, tol: float) -> None:
 
 @pytest.mark.parametrize(("label", "name", "f", "jfn"), ALL, ids=[f"{a[0]}.{a[1]}" for a in ALL])
 def test_value_and_gradient_match_jax(label: str, name: str, f: Callable[..., Any], jfn: Callable[..., Any]) -> None:
-    case = _case(name, f)
-    r = np.random.default_rng(zlib.crc32(f"{label}.{name}".encode()))  # the same inputs in every process
+    _check(f"{label}.{name}", _case(name, f, label), f, jfn)
+
+
+# the static arguments of the norms, one case each (values and gradients against jax.grad)
+NORMS = [
+    ("norm", Case(static={"ord": 1})),
+    ("norm", Case(static={"ord": np.inf, "axis": 1, "keepdims": True})),
+    ("norm", Case(static={"ord": 2})),  # a matrix's spectral norm
+    ("norm", Case(static={"ord": "nuc"})),
+    ("norm", Case(static={"ord": -2})),  # the smallest singular value
+    ("norm", Case([normal(2, 3, 4)], static={"axis": (0, 2)})),  # Frobenius over two axes
+    ("norm", Case([normal(5)], static={"ord": 3})),
+    ("norm", Case(static={"ord": 0.5, "axis": 0})),
+    ("vector_norm", Case(static={"ord": 1, "axis": 0})),
+    ("vector_norm", Case(static={"ord": np.inf})),
+    ("matrix_norm", Case([normal(2, 3, 4)], static={"ord": 1, "keepdims": True})),
+    ("matrix_norm", Case(static={"ord": "nuc"})),
+    ("eigh", Case([spd(3)], static={"UPLO": "U"})),
+    ("qr", Case([normal(3, 4)], static={"mode": "r"})),
+    ("svd", Case([normal(3, 3)])),  # full matrices of a square matrix
+    ("svd", Case([normal(4, 3)], static={"compute_uv": False})),
+    ("det", Case([square(3, 2)])),  # a batch of matrices
+    ("cholesky", Case([spd(3)], static={"upper": True})),
+]
+
+
+@pytest.mark.parametrize(("name", "case"), NORMS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(NORMS)])
+def test_linalg_static_arguments_match_jax(name: str, case: Case) -> None:
+    f = tnp.LINALG[name]
+    _check(f"linalg.{name}.{case.static}", _case(name, f, "linalg", case), f, getattr(jnp.linalg, name))
+
+
+def _check(key: str, case: Case, f: Callable[..., Any], jfn: Callable[..., Any]) -> None:
+    """``f`` on plain arrays is ``jfn``; on tensors its values and ``jax.grad`` gradients equal ``jfn``'s."""
+    r = np.random.default_rng(zlib.crc32(key.encode()))  # the same inputs in every process
     arrays = [jnp.asarray(m(r)) for m in case.inputs]  # type: ignore[union-attr]
     want = _call(case, jfn, arrays)
     want_leaves = _leaves(want)
@@ -206,6 +286,8 @@ def test_value_and_gradient_match_jax(label: str, name: str, f: Callable[..., An
         out = _call(case, f, xs)
         got_leaves = _leaves(out)
         assert len(got_leaves) == len(want_leaves)
+        if isinstance(want, tuple):  # slogdet, qr, svd, eigh: jax's named tuple, of Tensors
+            assert type(out) is type(want), type(out)
         for got, w in zip(got_leaves, want_leaves):
             assert isinstance(got, tfl.Tensor), type(got)
             _close(got.value, w, case.tol)
@@ -241,6 +323,18 @@ def test_the_namespace_lists_its_functions() -> None:
     assert all(hasattr(jnp, name) for name in tnp.UNSUPPORTED)  # each names a real jax.numpy function
     assert tnp.sum is tnp.FUNCTIONS["sum"] and tnp.nn.relu is tnp.NN["relu"]
     assert "relu" in dir(tnp.nn) and "erf" in dir(tnp.special)
+    from tapeflow.numpy import linalg
+
+    assert linalg is tnp.linalg and tfl.numpy.linalg.norm is tnp.LINALG["norm"]
+    assert dir(linalg) == sorted(tnp.LINALG) and {"linalg", "LINALG", "LINALG_UNSUPPORTED"} <= set(tnp.__all__)
+    assert not set(tnp.LINALG_UNSUPPORTED) & set(tnp.LINALG)
+    assert all(hasattr(jnp.linalg, name) and why for name, why in tnp.LINALG_UNSUPPORTED.items())
+    with pytest.raises(AttributeError, match=r"linalg\.eig is not supported: complex .* use eigh"):
+        linalg.eig
+    with pytest.raises(AttributeError, match=r"tfl\.numpy\.linalg has no attribute 'no_such_function'"):
+        linalg.no_such_function
+    with pytest.raises(AttributeError, match="read-only"):
+        linalg.norm = None
     for _, name, f, _ in ALL:
         assert f.__name__ == name and f"``{f.impl.spec.qualname}``" in f.__doc__
     with pytest.raises(AttributeError, match="nonzero is not supported: the output shape depends"):
@@ -258,6 +352,7 @@ def test_plain_arrays_pass_through_unchanged() -> None:
             (tnp.sum, jnp.sum, {"axis": [0, 1]}),
             (tnp.exp, jnp.exp, {}),
             (tnp.nn.gelu, jax.nn.gelu, {}),
+            (tnp.linalg.norm, jnp.linalg.norm, {"ord": 1, "axis": 0}),
         ):
             got = f(x, **kw)
             assert isinstance(got, jax.Array) and not isinstance(got, tfl.Tensor)

@@ -1,4 +1,4 @@
-"""``tfl.numpy``: the differentiable functions of ``jax.numpy`` (and some of ``jax.nn`` / ``jax.scipy.special``) on tapes.
+"""``tfl.numpy``: the differentiable functions of ``jax.numpy`` (and of ``jax.numpy.linalg``, some of ``jax.nn`` and ``jax.scipy.special``) on tapes.
 
 Each function here mirrors the ``jax.numpy`` function of the same name and
 takes the same arguments: arrays (Tensors, Params, arrays, Python numbers) as
@@ -14,13 +14,16 @@ recorded (its hand-written VJP and its name); otherwise the function is
 shape errors at record time). Integer and boolean results (``argmax``, ``less``,
 ``isnan``) are recorded as non-differentiable nodes.
 
-The supported functions are listed once, in the tables ``_NUMPY``, ``_NN`` and
-``_SPECIAL`` below; functions whose output shape depends on the data cannot be
-recorded and are named in :data:`UNSUPPORTED` with the reason (so are the
-data-dependent forms of supported ones: ``where`` takes exactly three operands,
-never the one-argument ``nonzero`` form). The ``jax.nn`` and
-``jax.scipy.special`` mirrors are the namespaces :data:`nn` and :data:`special`
-(and the dicts :data:`NN`, :data:`SPECIAL`).
+The supported functions are listed once, in the tables ``_NUMPY``, ``_NN``,
+``_SPECIAL`` and ``_LINALG`` below; functions whose output shape depends on the
+data cannot be recorded and are named in :data:`UNSUPPORTED` with the reason (so
+are the data-dependent forms of supported ones: ``where`` takes exactly three
+operands, never the one-argument ``nonzero`` form). The ``jax.nn``,
+``jax.scipy.special`` and ``jax.numpy.linalg`` mirrors are the namespaces
+:data:`nn`, :data:`special` and :data:`linalg` (and the dicts :data:`NN`,
+:data:`SPECIAL`, :data:`LINALG`; the linalg functions left out are in
+:data:`LINALG_UNSUPPORTED`). A function with several results (``slogdet``,
+``qr``, ``svd``, ``eigh``) returns jax's named tuple of Tensors, one node each.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> from tapeflow._shell import _numpy as tnp
@@ -32,6 +35,13 @@ never the one-argument ``nonzero`` form). The ``jax.nn`` and
 ([1.0, 3.0, 6.0], [3.0, 2.0, 1.0])
 >>> tnp.cumsum(jnp.array([1.0, 2.0])).tolist()  # plain arrays: just jax.numpy
 [1.0, 3.0]
+>>> with tfl.Session() as s:
+...     a = s.input(jnp.array([[3.0, 0.0], [4.0, 2.0]]), requires_grad=True)
+...     n = tfl.numpy.linalg.norm(a, axis=0)  # the columns' Euclidean norms
+...     sign, logdet = tfl.numpy.linalg.slogdet(a)
+...     g = s.backward(tfl.sum(n))
+...     n.value.tolist(), round(float(logdet.value), 4), [[round(v, 4) for v in r] for r in g[a].tolist()]
+([5.0, 2.0], 1.7918, [[0.6, 0.0], [0.8, 1.0]])
 """
 
 from __future__ import annotations
@@ -316,6 +326,47 @@ _SPECIAL: list[_Row] = [
     ("betaln", "a b", ()),
     ("logsumexp", "a", ("axis", "keepdims"), _keywords("logsumexp", _AXIS_KEEP)),
 ]
+
+_LINALG: list[_Row] = [
+    ("norm", "x", ("ord", "axis", "keepdims")),
+    ("vector_norm", "x", ("ord", "axis", "keepdims")),
+    ("matrix_norm", "x", ("ord", "keepdims")),
+    ("det", "a", ()),
+    ("slogdet", "a", ("method",)),  # (sign, logabsdet): one node each
+    ("inv", "a", ()),
+    ("pinv", "a", ("rtol", "hermitian")),
+    ("solve", "a b", ()),
+    ("lstsq", "a b", ("rcond",)),  # (x, residuals, rank, singular values); rank is an integer node
+    ("tensorsolve", "a b", ("axes",)),
+    ("tensorinv", "a", ("ind",)),
+    ("cholesky", "a", ("upper", "symmetrize_input")),
+    ("qr", "a", ("mode",)),
+    ("svd", "a", ("full_matrices", "compute_uv", "hermitian")),
+    ("svdvals", "x", ()),
+    ("eigh", "a", ("UPLO", "symmetrize_input")),
+    ("eigvalsh", "a", ("UPLO", "symmetrize_input")),
+    ("cond", "x", ("p",)),
+    ("matrix_rank", "M", ("rtol", "hermitian")),
+    ("matrix_power", "a", ("n",)),
+    ("matmul", "x1 x2", (), _same("matmul")),
+    ("multi_dot", "*arrays", ()),
+    ("matrix_transpose", "x", ()),
+    ("trace", "x", ("offset", "dtype")),
+    ("diagonal", "x", ("offset",)),
+    ("outer", "x1 x2", ()),
+    ("cross", "x1 x2", ("axis",)),
+    ("vecdot", "x1 x2", ("axis",)),
+    ("tensordot", "x1 x2", ("axes",)),
+]
+
+LINALG_UNSUPPORTED: dict[str, str] = {
+    "eig": "complex eigenvalues and eigenvectors of a general matrix: tfl.numpy has no op that takes a complex "
+    "result back to a real loss, and JAX refuses eigenvector derivatives of non-symmetric matrices; "
+    "use eigh for a symmetric matrix",
+    "eigvals": "complex eigenvalues of a general matrix (no op takes them back to a real loss); "
+    "use eigvalsh for a symmetric matrix",
+}
+"""``jax.numpy.linalg`` functions that :data:`linalg` does not record, each with the reason."""
 
 UNSUPPORTED: dict[str, str] = {
     "nonzero": "the output shape depends on the values (how many entries are nonzero)",
@@ -608,11 +659,30 @@ def _table(module: types.ModuleType, prefix: str, rows: list[_Row], opprefix: st
 
 
 class Namespace(types.SimpleNamespace):
-    """A read-only group of functions (``tfl.numpy.nn``, ``tfl.numpy.special``); ``dir()`` lists them."""
+    """A read-only group of functions (``tfl.numpy.nn``, ``tfl.numpy.special``, ``tfl.numpy.linalg``).
 
-    def __init__(self, name: str, functions: Mapping[str, Callable[..., PyTree]]) -> None:
+    ``dir()`` lists them; a name in ``unsupported`` raises AttributeError with its reason.
+
+    >>> ns = Namespace("demo", {"one": lambda: 1}, unsupported={"two": "not here"})
+    >>> ns.one(), dir(ns)
+    (1, ['one'])
+    """
+
+    def __init__(
+        self,
+        name: str,
+        functions: Mapping[str, Callable[..., PyTree]],
+        unsupported: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(**functions)
         object.__setattr__(self, "__name__", name)
+        object.__setattr__(self, "_unsupported", dict(unsupported or {}))
+
+    def __getattr__(self, name: str) -> object:
+        why = vars(self).get("_unsupported", {}).get(name)
+        if why is not None:
+            raise AttributeError(f"{self.__name__}.{name} is not supported: {why}")
+        raise AttributeError(f"{self.__name__} has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{self.__name__} is read-only")
@@ -631,8 +701,12 @@ NN: dict[str, Callable[..., PyTree]] = _table(jax.nn, "jax.nn", _NN, _PREFIX + "
 SPECIAL: dict[str, Callable[..., PyTree]] = _table(jsp, "jax.scipy.special", _SPECIAL, _PREFIX + "special.")
 """The ``jax.scipy.special`` mirrors by name (also ``special.<name>``)."""
 
+LINALG: dict[str, Callable[..., PyTree]] = _table(jnp.linalg, "jax.numpy.linalg", _LINALG, _PREFIX + "linalg.")
+"""The ``jax.numpy.linalg`` mirrors by name (also ``linalg.<name>``)."""
+
 nn = Namespace("tfl.numpy.nn", NN)
 special = Namespace("tfl.numpy.special", SPECIAL)
+linalg = Namespace("tfl.numpy.linalg", LINALG, LINALG_UNSUPPORTED)
 
 # the functions are served by the module's __getattr__, not put in its globals: many (sum, any, abs, round, ...)
 # are builtins' names, which the code above must keep
@@ -655,7 +729,10 @@ def record(name: str, *args: Any, **kwargs: Any) -> Tensor:
     return out
 
 
-__all__ = sorted([*FUNCTIONS, "nn", "special", "UNSUPPORTED", "FUNCTIONS", "NN", "SPECIAL", "record"])
+__all__ = sorted(
+    [*FUNCTIONS, "nn", "special", "linalg", "UNSUPPORTED", "LINALG_UNSUPPORTED", "FUNCTIONS", "NN", "SPECIAL"]
+    + ["LINALG", "record"]
+)
 
 
 def __dir__() -> list[str]:
