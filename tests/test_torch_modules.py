@@ -12,8 +12,9 @@ eager gradients. Also: buffers, train/eval modes, the default seed stream
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,8 +95,12 @@ CASES = [
         lambda r: (_f(r, 4, 2, 8), _f(r, 5, 2, 3), _f(r, 5, 2, 5)),
         lambda r: {"attn_mask": np.triu(np.ones((4, 5), bool), 1), "average_attn_weights": False},
     ),
-    Case("TransformerEncoderLayer", _enc_layer, lambda r: (_f(r, 2, 5, 8),),
-         lambda r: {"src_key_padding_mask": np.array([[False] * 5, [False] * 4 + [True]])}),  # fmt: skip
+    Case(
+        "TransformerEncoderLayer",
+        _enc_layer,
+        lambda r: (_f(r, 2, 5, 8),),
+        lambda r: {"src_key_padding_mask": np.array([[False] * 5, [False] * 4 + [True]])},
+    ),
     Case(
         "TransformerEncoder",
         lambda m: m.TransformerEncoder(
@@ -126,7 +131,10 @@ CASES = [
     ),
     Case(
         "CrossEntropyLoss",
-        lambda m: m.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]) if m is tnn else np.array([1.0, 2.0, 0.5], np.float32), label_smoothing=0.1),  # noqa: E501
+        lambda m: m.CrossEntropyLoss(
+            weight=torch.tensor([1.0, 2.0, 0.5]) if m is tnn else np.array([1.0, 2.0, 0.5], np.float32),
+            label_smoothing=0.1,
+        ),
         lambda r: (_f(r, 4, 3), np.array([0, 2, 1, 2])),
     ),
     Case("NLLLoss", lambda m: m.NLLLoss(ignore_index=0), lambda r: (_f(r, 4, 3), np.array([0, 2, 1, 2]))),
@@ -166,7 +174,7 @@ def _build(case, rng):
     """Both modules, torch's weights (perturbed buffers included) loaded into tapeflow, and the inputs."""
     torch.manual_seed(0)
     tm = case.make(tnn)
-    for name, b in tm.named_buffers():  # non-trivial running statistics for the eval cases
+    for _, b in tm.named_buffers():  # non-trivial running statistics for the eval cases
         if b.is_floating_point():
             b.copy_(torch.from_numpy(rng.random(tuple(b.shape)).astype(np.float32) + 0.5))
     m = case.make(nn)
@@ -186,7 +194,10 @@ def _torch_run(tm, args, kwargs, weights_seed):
     targs = _to_torch(args, True)
     tkw = {k: (_to_torch(v, False) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     out = _leaves(tm(*targs, **tkw))
-    ws = [np.random.default_rng(weights_seed + i).standard_normal(tuple(o.shape)).astype(np.float32) for i, o in enumerate(out)]
+    ws = [
+        np.random.default_rng(weights_seed + i).standard_normal(tuple(o.shape)).astype(np.float32)
+        for i, o in enumerate(out)
+    ]
     loss = sum((o * torch.from_numpy(w)).sum() for o, w in zip(out, ws))
     loss.backward()
     grads = {n: p.grad.numpy() for n, p in tm.named_parameters() if p.grad is not None}
@@ -381,7 +392,7 @@ def test_containers():
     assert list(md) == ["a", "b"] and "a" in md
     seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
     assert isinstance(seq[:2], nn.Sequential) and [n for n, _ in seq[:2].named_parameters()] == ["0.weight", "0.bias"]
-    with pytest.raises(TypeError, match="not a tfl.nn.Module"):
+    with pytest.raises(TypeError, match=r"not a tfl\.nn\.Module"):
         nn.ModuleList([3])
 
 

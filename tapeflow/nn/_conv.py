@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 from .._core._typing import DTypeLike, PRNGKey
 from .._shell._tensor import Operand, Tensor
@@ -39,7 +40,7 @@ _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 def _tuple(name: str, layer: str, v: IntOrTuple, n: int) -> tuple[int, ...]:
     if isinstance(v, int) and not isinstance(v, bool):
         return (v,) * n
-    out = tuple(v)
+    out = tuple(cast(Sequence[int], v))
     if len(out) != n or not all(isinstance(d, int) and not isinstance(d, bool) for d in out):
         raise ValueError(f"{layer}: {name}={v!r} must be an int or a tuple of {n} ints")
     return out
@@ -290,6 +291,7 @@ class ConvTranspose2d(_ConvNd):
 
     def forward(self, input: Operand, output_size: Sequence[int] | None = None) -> Tensor:
         op = self._output_padding(input, output_size)
+        assert isinstance(self.padding, tuple)  # a transposed convolution refuses string padding
         return F.conv_transpose2d(
             input, self.weight, self.bias, self.stride, self.padding, op, self.groups, self.dilation
         )

@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 
+def shape_of(x: Operand) -> tuple[int, ...]:
+    """The shape of an operand (Tensor, Param, array or nested list), read without recording anything."""
+    shape = getattr(x, "shape", None)
+    return tuple(int(d) for d in (np.shape(np.asarray(x)) if shape is None else shape))
+
+
 def uniform_param(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLike, name: str) -> Param:
     """A Param uniform in ``±bound`` (PyTorch's default init of linear and convolution layers)."""
     return Param(init.uniform(key, shape, dtype, -bound, bound), name=name)
@@ -278,7 +284,7 @@ class Flatten(Module):
         self.end_dim = int(end_dim)
 
     def forward(self, input: Operand) -> Tensor:
-        shape = tuple(np.shape(input))
+        shape = shape_of(input)
         n = max(len(shape), 1)
         lo, hi = self.start_dim % n, self.end_dim % n
         if not (-n <= self.start_dim < n and -n <= self.end_dim < n) or lo > hi:
@@ -307,7 +313,7 @@ class Unflatten(Module):
         self.unflattened_size = tuple(int(d) for d in unflattened_size)
 
     def forward(self, input: Operand) -> Tensor:
-        shape = tuple(np.shape(input))
+        shape = shape_of(input)
         if not -len(shape) <= self.dim < len(shape):
             raise TapeError(f"Unflatten: dim={self.dim} is out of range for an input of shape {shape}")
         d = self.dim % len(shape)
@@ -386,7 +392,7 @@ class MultiHeadAttention(Module):
         q = self._heads(xq)
         k = self._heads(self.k_proj(kv_in))
         v = self._heads(self.v_proj(kv_in))
-        if mask is not None and len(np.shape(mask)) == xq.ndim and xq.ndim >= 3:
+        if mask is not None and len(shape_of(mask)) == len(xq.shape) >= 3:
             mask = R.expand_dims(mask, -3) if isinstance(mask, Tensor) else jnp.expand_dims(jnp.asarray(mask), -3)
         if self.dropout:  # the train/eval mode is read (and keys compiled programs) only when it matters
             o = R.attention(
@@ -394,7 +400,7 @@ class MultiHeadAttention(Module):
             )
         else:
             o = R.attention(q, k, v, mask, causal=self.causal)  # (..., H, Lq, Dh)
-        b = o.ndim - 3
+        b = len(o.shape) - 3
         o = R.permute(o, tuple(range(b)) + (b + 1, b, b + 2))
         o = R.reshape(o, o.shape[:-2] + (self.dim,))
         return self.out_proj(o)

@@ -31,6 +31,9 @@ _REDUCTIONS = ("none", "mean", "sum")
 
 
 class _Loss(Module):
+    weight: Param | None
+    pos_weight: Param | None
+
     def __init__(self, size_average: bool | None = None, reduce: bool | None = None, reduction: str = "mean") -> None:
         name = type(self).__name__
         if size_average is not None or reduce is not None:

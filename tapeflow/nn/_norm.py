@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
@@ -205,7 +205,7 @@ class BatchNorm2d(_BatchNorm):
 def _normalized(name: str, shape: int | Sequence[int]) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         return (int(shape),)
-    out = tuple(int(d) for d in shape)
+    out = tuple(int(d) for d in cast(Sequence[int], shape))
     if not out:
         raise ValueError(f"{name}: normalized_shape must name at least one dimension, got {shape!r}")
     return out

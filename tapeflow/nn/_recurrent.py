@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -275,7 +276,8 @@ class _RNNBase(Module):
     def _weights(self, layer: int, d: int) -> tuple[Param, Param, Param | None, Param | None]:
         sfx = f"_l{layer}" + ("_reverse" if d else "")
         get = self.__dict__.get
-        return get(f"weight_ih{sfx}"), get(f"weight_hh{sfx}"), get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}")
+        w_ih, w_hh = cast(Param, get(f"weight_ih{sfx}")), cast(Param, get(f"weight_hh{sfx}"))
+        return w_ih, w_hh, get(f"bias_ih{sfx}"), get(f"bias_hh{sfx}")
 
     def _input(self, input: Operand) -> tuple[Operand, bool]:
         """``input`` as ``(L, N, input_size)`` and whether it was unbatched."""
@@ -315,12 +317,12 @@ class _RNNBase(Module):
 
     def _run(self, input: Operand, states: tuple[Operand | None, ...]) -> tuple[Tensor, list[tuple[Tensor, ...]], bool]:
         x, unbatched = self._input(input)
-        seq_len, n = tuple(x.shape)[:2]
-        dtype = np.dtype(x.dtype)
+        shape, dtype = _spec(x)
+        seq_len, n = shape[:2]
         init_states = [self._state(w, v, n, unbatched, dtype) for w, v in zip(("hx", "cx"), states)]
         finals: list[tuple[Tensor, ...]] = []
         with session_of((x,), type(self).__name__).as_current():
-            layer_in: Tensor = x  # type: ignore[assignment]
+            layer_in: Operand = x
             for layer in range(self.num_layers):
                 outs = []
                 for d in range(self.num_directions):
@@ -331,13 +333,13 @@ class _RNNBase(Module):
                     ys: list[Tensor] = [None] * seq_len  # type: ignore[list-item]
                     for t in reversed(range(seq_len)) if d else range(seq_len):
                         state = self._step(gi_all[t], state, w_hh, b_hh)
-                        ys[t] = state[0]  # type: ignore[assignment]
+                        ys[t] = state[0]
                     finals.append(state)  # type: ignore[arg-type]
                     outs.append(_stack(ys))
                 layer_in = outs[0] if len(outs) == 1 else R.concat(outs, axis=-1)
                 if self.dropout and layer < self.num_layers - 1:
                     layer_in = R.dropout(layer_in, self.dropout, training=None if self.training else False)
-            out = layer_in
+            out = cast(Tensor, layer_in)
             if unbatched:
                 out = out[:, 0]
             elif self.batch_first:

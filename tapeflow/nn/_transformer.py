@@ -25,7 +25,7 @@ from .._shell._tensor import Operand, Tensor, session_of
 from . import _init as init
 from . import functional as F
 from ._container import ModuleList
-from ._layers import Dropout, Linear
+from ._layers import Dropout, Linear, shape_of
 from ._module import Module, factory_dtype
 from ._norm import LayerNorm
 
@@ -168,7 +168,7 @@ class MultiheadAttention(Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        shape = tuple(np.shape(query))
+        shape = shape_of(query)
         if len(shape) not in (2, 3) or shape[-1] != self.embed_dim:
             raise TapeError(
                 f"MultiheadAttention: query has shape {shape}; expected (L, N, E), (N, L, E) with batch_first, "
@@ -199,7 +199,7 @@ class MultiheadAttention(Module):
             v = heads(self._project(value, 2), src_len)
             dtype = np.dtype(q.dtype)
             mask = _float_mask(attn_mask, "attn_mask", dtype)
-            if mask is not None and len(np.shape(mask)) == 3:
+            if mask is not None and len(shape_of(mask)) == 3:
                 mask = R.reshape(mask, (n, h, tgt_len, src_len))
             kpm = _float_mask(key_padding_mask, "key_padding_mask", dtype)
             if kpm is not None:
@@ -271,16 +271,15 @@ class TransformerEncoderLayer(Module):
         key: PRNGKey | None = None,
     ) -> None:
         k_attn, k1, k2 = init.keys(init.require_key(key, "TransformerEncoderLayer"), 3)
-        kw = {"device": device, "dtype": dtype}
         self.self_attn = MultiheadAttention(
-            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, **kw, key=k_attn
+            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype, key=k_attn
         )
-        self.linear1 = Linear(d_model, dim_feedforward, bias, **kw, key=k1)
+        self.linear1 = Linear(d_model, dim_feedforward, bias, device, dtype, key=k1)
         self.dropout = Dropout(dropout)
-        self.linear2 = Linear(dim_feedforward, d_model, bias, **kw, key=k2)
+        self.linear2 = Linear(dim_feedforward, d_model, bias, device, dtype, key=k2)
         self.norm_first = bool(norm_first)
-        self.norm1 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
-        self.norm2 = LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **kw)
+        self.norm1 = LayerNorm(d_model, layer_norm_eps, True, bias, device, dtype)
+        self.norm2 = LayerNorm(d_model, layer_norm_eps, True, bias, device, dtype)
         self.dropout1 = Dropout(dropout)
         self.dropout2 = Dropout(dropout)
         self.activation = _activation(activation)
