@@ -69,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1967,3 +1968,69 @@ else:
 TestSessionFuzz = SessionFuzz.TestCase
 TestSessionFuzz.settings = _SETTINGS
 TestSessionFuzz = pytest.mark.usefixtures("small_gc_heap")(TestSessionFuzz)
+
+
+# --------------------------------------------------------------------------- restores at random points
+# A run of random batches is interrupted at random steps (one or more): each time it is saved, then restored into
+# a freshly built model, optimizer and session (or TrainStep) with other initial values and another seed, and
+# goes on. Its losses and final parameters must equal the uninterrupted run's bit for bit, on every path.
+
+_POOL = np.random.default_rng(7).standard_normal((4, 8, 5)).astype(np.float32)  # four batches to draw from
+_LABELS = np.arange(8) % 3
+
+
+def _resume_model(seed: int, opt_kind: str):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    m = tfl.nn.Sequential(
+        tfl.nn.Linear(5, 8, key=k1), tfl.nn.BatchNorm1d(8), tfl.relu, tfl.nn.Dropout(0.25), tfl.nn.Linear(8, 3, key=k2)
+    )
+    tx = optax.adamw(1e-2) if opt_kind == "adamw" else optax.sgd(0.05, momentum=0.9)
+    return m, tfl.Optimizer(tx, m)
+
+
+def _resume_run(path: str, opt_kind: str, batches: list[int], breaks: set[int], folder: str):
+    """Losses and final parameter bytes of training on ``batches`` (pool indices); saved and restored into fresh
+    objects before each step in ``breaks``."""
+
+    def fresh(seed: int):
+        m, opt = _resume_model(seed, opt_kind)
+        loss = lambda s, x: tfl.cross_entropy(m(x), jnp.asarray(_LABELS))  # noqa: E731
+        runner = (
+            tfl.train_step(loss, opt, seed=seed)
+            if path == "train_step"
+            else tfl.Session(seed=seed, lazy=path == "lazy")
+        )
+        return m, opt, runner, loss
+
+    m, opt, runner, loss = fresh(0)
+    losses = []
+    for i, b in enumerate(batches):
+        if i in breaks:
+            where = os.path.join(folder, f"{path}-{i}")
+            tfl.save(where, m, opt, runner)
+            m, opt, runner, loss = fresh(100 + i)  # other values and seed: the checkpoint must set them all
+            tfl.restore(where, m, opt, runner)
+        x = jnp.asarray(_POOL[b])
+        if path == "train_step":
+            losses.append(np.asarray(runner(x)).tobytes())
+        else:
+            with runner:
+                value = loss(runner, runner.input(x))
+                opt.step(runner.backward(value))
+                losses.append(np.asarray(value.value).tobytes())
+    return losses, [np.asarray(p.value).tobytes() for _, p in m.parameter_records()]
+
+
+@pytest.mark.parametrize("path", ["eager", "lazy", "train_step"])
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=_SUPPRESS)
+@hypothesis.given(data=st.data())
+def test_a_restore_at_random_points_continues_bit_for_bit(path, data):
+    n = data.draw(st.integers(3, 6), label="steps")
+    batches = data.draw(st.lists(st.integers(0, len(_POOL) - 1), min_size=n, max_size=n), label="batches")
+    breaks = data.draw(st.sets(st.integers(1, n - 1), min_size=1, max_size=2), label="restored before steps")
+    opt_kind = data.draw(st.sampled_from(["adamw", "sgd_momentum"]), label="optimizer")
+    with tempfile.TemporaryDirectory() as folder:
+        whole = _resume_run(path, opt_kind, batches, set(), folder)
+        resumed = _resume_run(path, opt_kind, batches, breaks, folder)
+    assert resumed[0] == whole[0], "losses differ after a restore"
+    assert resumed[1] == whole[1], "final parameters differ after a restore"
