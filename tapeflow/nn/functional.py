@@ -49,6 +49,7 @@ from .._shell._torch_functional import (
     smooth_l1_loss,
     softplus,
 )
+from .._shell._torch_tensor import log_softmax, sigmoid, softmax, tanh
 
 __all__ = [
     "adaptive_avg_pool1d",
@@ -74,6 +75,7 @@ __all__ = [
     "layer_norm",
     "leaky_relu",
     "linear",
+    "log_softmax",
     "max_pool1d",
     "max_pool2d",
     "mse_loss",
@@ -84,7 +86,10 @@ __all__ = [
     "relu",
     "rms_norm",
     "scaled_dot_product_attention",
+    "sigmoid",
     "silu",
     "smooth_l1_loss",
+    "softmax",
     "softplus",
+    "tanh",
 ]
