@@ -80,8 +80,8 @@ def _layer_norm(x, w, b, eps=1e-5):
 def _jax_loss(p: dict, ids, targets):
     """The GPT's loss as a pure function of a params dict keyed by the optimizer's slot keys (no tapeflow)."""
     x = p["wte.weight"][ids] + p["wpe.weight"][jnp.arange(T)]
-    h = _layer_norm(x, p["ln_1.weight"], p["ln_1.bias"]) @ p["fc.weight"] + p["fc.bias"]
-    x = x + jnp.tanh(h) @ p["proj.weight"] + p["proj.bias"]
+    h = _layer_norm(x, p["ln_1.weight"], p["ln_1.bias"]) @ p["fc.weight"].T + p["fc.bias"]
+    x = x + jnp.tanh(h) @ p["proj.weight"].T + p["proj.bias"]
     logits = _layer_norm(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["wte.weight"].T
     logp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
@@ -251,8 +251,8 @@ def _torch_loss(torch, p: dict, ids, targets):
     import torch.nn.functional as F
 
     x = p["wte.weight"][ids] + p["wpe.weight"][torch.arange(T)]
-    h = F.layer_norm(x, (D,), p["ln_1.weight"], p["ln_1.bias"], eps=1e-5) @ p["fc.weight"] + p["fc.bias"]
-    x = x + torch.tanh(h) @ p["proj.weight"] + p["proj.bias"]
+    h = F.layer_norm(x, (D,), p["ln_1.weight"], p["ln_1.bias"], eps=1e-5) @ p["fc.weight"].T + p["fc.bias"]
+    x = x + torch.tanh(h) @ p["proj.weight"].T + p["proj.bias"]
     logits = F.layer_norm(x, (D,), p["ln_f.weight"], p["ln_f.bias"], eps=1e-5) @ p["wte.weight"].T
     return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 

@@ -14,6 +14,7 @@ import pytest
 
 import tapeflow as tfl
 from tapeflow._core import _treescope
+from tapeflow._shell import _render
 
 treescope = pytest.importorskip("treescope")
 
@@ -74,7 +75,7 @@ def test_tied_params_share_their_storage_uid_and_color() -> None:
     text = _text([w, w2, other])
     assert text.count(f"storage=#{w.storage.uid}") == 2 and f"storage=#{other.storage.uid}" in text
     html = treescope.render_to_html([w, w2, other], compressed=False)
-    mine, theirs = (_treescope._storage_color(treescope, p.storage.uid) for p in (w, other))
+    mine, theirs = (_render.storage_color(treescope, p.storage.uid) for p in (w, other))
     assert mine != theirs and html.count(mine) >= 2 and theirs in html
 
 
@@ -82,18 +83,18 @@ def test_module_lists_its_attributes_and_which_registrations_are_tied() -> None:
     m = _TiedAE()
     text = _text(m)
     assert text.startswith("_TiedAE(")
-    assert "in_features=4" in text and "shape=(4, 2)" in text and "dtype=float32" in text
+    assert "in_features=4" in text and "shape=(2, 4)" in text and "dtype=float32" in text
     uid = m.enc.weight.storage.uid
     assert f"# tied: storage #{uid} <- enc.weight, dec" in text
     assert "# 11 parameters in 3 storages, 4 registrations" in text
     assert "trainable=False" in text
-    assert _treescope.module_ties(m) == [(uid, ["enc.weight", "dec"])]
+    assert _render.module_ties(m) == [(uid, ["enc.weight", "dec"])]
 
 
 def test_shared_submodule_counts_as_a_tie() -> None:
     lin = tfl.nn.Linear(2, 2, key=jax.random.key(1))
     seq = tfl.nn.Sequential(lin, lin)
-    assert [paths for _, paths in _treescope.module_ties(seq)] == [
+    assert [paths for _, paths in _render.module_ties(seq)] == [
         ["0.weight", "1.weight"],
         ["0.bias", "1.bias"],
     ]
@@ -105,7 +106,7 @@ def test_session_shows_owner_generation_nodes_rng_counter_and_tied_leaves() -> N
     s = tfl.Session(seed=7)
     x = s.input(jnp.ones((3, 4), F32))
     s.normal((2,), F32)
-    tfl.mse(tfl.tanh(x @ m.enc.weight) @ m.dec.T, x)
+    tfl.mse(tfl.tanh(x @ m.enc.weight.T) @ m.dec, x)
     text = _text(s)
     n = len(s.tape)
     for fact in (f"owner={s.owner}", "generation=0", f"nodes={n}", "rng_counter=1", "seed=7", "grad_enabled=True"):
