@@ -29,11 +29,16 @@ What is compared, and how:
   per float output) against ``Session.backward`` of the same loss, for every float input that
   requires grad (and every module parameter, by name).
 
-Bounds (deterministic, so the same samples run every time): the first :data:`MAX_SAMPLES` float32
-samples of a row in PyTorch's generation order, with ``torch.manual_seed(SEED)`` set before the
-row generates them, and the first :data:`MAX_INT_SAMPLES` int64 samples where the row supports
-int64; a sample whose tensors hold more than :data:`MAX_ELEMENTS` elements is skipped; modules
-take the first :data:`MAX_MODULE_INPUTS` inputs per mode (train, eval).
+Bounds (each new shape compiles kernels, so the run is kept to about two minutes of one core; the
+choice is deterministic, so the same samples run every time): :data:`MAX_SAMPLES` float32 samples
+per row and :data:`MAX_INT_SAMPLES` int64 samples where the row supports int64, picked by
+:func:`_samples` (the first sample of each call form first); a sample whose tensors hold more than
+:data:`MAX_ELEMENTS` elements is skipped; gradients are compared on the first :data:`MAX_GRAD_SAMPLES`
+float32 samples of a row (backward kernels are most of the compile time), values on all; modules take
+their first :data:`MAX_MODULE_INPUTS` inputs in training mode and, where ModuleInfo says the modes
+differ, their first :data:`MAX_EVAL_INPUTS` in eval mode, gradients on all. PyTorch's random
+samples (dropout; OpInfo's ``wrapper_set_seed`` rows, or two draws that differ) compare structure,
+shapes and dtypes only.
 
 A sample is named by :func:`describe`: the row, then the call with each tensor as its dtype and
 shape, ``var(float32[5, 5, 5], dim=1, unbiased=True, keepdim=True)``. An entry's ``gaps`` keys
@@ -45,9 +50,10 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import re
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -61,10 +67,13 @@ from tapeflow._shell import _torch  # noqa: F401  (declares every entry and bind
 from tapeflow._shell._surface import SURFACE, Entry
 
 SEED = 0
-MAX_SAMPLES = 20
-MAX_INT_SAMPLES = 6
+MAX_SAMPLES = 10
+MAX_GRAD_SAMPLES = 5
+MAX_INT_SAMPLES = 3
+CANDIDATES = 3
 MAX_ELEMENTS = 4096
-MAX_MODULE_INPUTS = 6
+MAX_MODULE_INPUTS = 4
+MAX_EVAL_INPUTS = 2
 ATOL_FLOOR = 1e-5
 RTOL_FLOOR = 1e-5
 ERROR_FACTOR = 10.0
@@ -482,8 +491,13 @@ def _grad_of(grads: tfl.Grads, key: object, shape: tuple[int, ...]) -> np.ndarra
 
 
 def _clear(exc: BaseException, name: str) -> bool:
-    """A clear refusal: one of the exception types a user can act on, and its message names the entry."""
-    return isinstance(exc, CLEAR_ERRORS) and name.lower() in str(exc).lower()
+    """A clear refusal: one of the exception types a user can act on, and its message names the entry.
+
+    A module may be named as its class (``MaxPool1d``) or its function (``max_pool1d``).
+    """
+    text = str(exc).lower()
+    snake = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower()
+    return isinstance(exc, CLEAR_ERRORS) and (name.lower() in text or snake in text)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -708,15 +722,45 @@ def _check_grads(found: list[tuple[str, torch.Tensor, torch.Tensor, object]], co
             raise Different(f"gradient of input {i} {a.shape}: {_diff(a, mine)}")
 
 
-def _samples(row: Any, dtype: torch.dtype, limit: int) -> Iterator[Any]:
+def _form(sample: Any) -> str:
+    """A sample's call form: tensors as their dtype and rank, numbers as their type, strings and None as they are."""
+
+    def text(obj: object) -> str:
+        if isinstance(obj, torch.Tensor):
+            return f"{obj.dtype}:{obj.dim()}d"
+        if isinstance(obj, (list, tuple)):
+            return "(" + ",".join(text(v) for v in obj) + ")"
+        if isinstance(obj, dict):
+            return "{" + ",".join(f"{k}={text(v)}" for k, v in obj.items()) + "}"
+        if obj is None or isinstance(obj, str):
+            return repr(obj)
+        return type(obj).__name__
+
+    return text((sample.input, *sample.args)) + text(dict(sample.kwargs))
+
+
+def _samples(row: Any, dtype: torch.dtype, limit: int) -> list[Any]:
+    """Up to ``limit`` of the row's samples: the first of each call form, in PyTorch's order, then the rest.
+
+    The first ``CANDIDATES x limit`` samples the row generates (after ``torch.manual_seed(SEED)``) are
+    the candidates, so the choice is the same on every run.
+    """
     torch.manual_seed(SEED)
     grad = dtype.is_floating_point and row.supports_autograd
     it = iter(row.sample_inputs("cpu", dtype, requires_grad=grad))
-    for _ in range(limit):
+    pool = []
+    for _ in range(CANDIDATES * limit):
         try:
-            yield next(it)
+            pool.append(next(it))
         except StopIteration:
-            return
+            break
+    seen: set[str] = set()
+    first, rest = [], []
+    for sample in pool:
+        form = _form(sample)
+        (rest if form in seen else first).append(sample)
+        seen.add(form)
+    return (first + rest)[:limit]
 
 
 def check_entry(name: str | Entry) -> Report:
@@ -736,7 +780,7 @@ def check_entry(name: str | Entry) -> Report:
             plans.append((torch.int64, MAX_INT_SAMPLES, False))
         for dtype, limit, grads in plans:
             for i, sample in enumerate(_samples(row, dtype, limit)):
-                report.outcomes.extend(run_sample(entry, row_id, row, sample, grads, i))
+                report.outcomes.extend(run_sample(entry, row_id, row, sample, grads and i < MAX_GRAD_SAMPLES, i))
     report.seconds = time.process_time() - start
     _judge(report, entry.gaps)
     return report
@@ -819,10 +863,10 @@ def check_module(name: str) -> Report:
     report = Report(name)
     start = time.process_time()
     info = module_rows()[name]
-    for training in (True, False):
+    for training in (True, False) if info.train_and_eval_differ else (True,):
         torch.manual_seed(SEED)
         inputs = info.module_inputs_func(info, device="cpu", dtype=torch.float32, requires_grad=True, training=training)
-        for i, mi in enumerate(inputs[:MAX_MODULE_INPUTS]):
+        for i, mi in enumerate(inputs[: MAX_MODULE_INPUTS if training else MAX_EVAL_INPUTS]):
             report.outcomes.append(_run_module_input(name, info, mi, training, i))
     report.seconds = time.process_time() - start
     _judge(report, module_gaps(name))
