@@ -1,17 +1,18 @@
-"""Treescope pictures of tapes, sessions, handles, parameters and modules.
+"""Treescope pictures of tapes, and the parts every picture is built from.
 
 `treescope <https://treescope.readthedocs.io>`_ is an optional extra
-(``pip install "tapeflow[viz]"``). Each class's ``__treescope_repr__`` is one
-line that calls a ``render_*`` function here; treescope is imported inside
-those functions only, so tapeflow imports and works without it (a call then
-returns ``NotImplemented``, which tells a renderer to fall back to ``repr``).
+(``pip install "tapeflow[viz]"``). A class's ``__treescope_repr__`` is one line
+that calls a ``render_*`` function; treescope is imported inside those
+functions only (:func:`treescope_module`), so tapeflow imports and works
+without it (a call then returns ``NotImplemented``, which tells a renderer to
+fall back to ``repr``).
 
-The pictures show what the text reprs show and what they cannot fold away:
-shapes and dtypes, storage identity (a Param's storage uid, the color it
-shares with every record of the same storage, and a module's list of tied
-registrations), generations (a session's owner, generation, node count and RNG
-counter; a stale handle is marked) and a tape's nodes, the first and last
-:data:`TAPE_LIMIT` of a long tape as its HTML table does.
+This module draws the core's own object, the :class:`~tapeflow.Tape` (its
+length, device and nodes, the first and last :data:`TAPE_LIMIT` of a long tape
+as its HTML table does), and knows nothing of the layers above it: the
+pictures of sessions, handles, parameters and modules are in
+``tapeflow/_shell/_render.py``, built from :func:`constructor`, :class:`Note`
+and :class:`Drawn`.
 
 The facts come from plain functions that need no treescope:
 
@@ -42,26 +43,21 @@ from types import ModuleType
 from typing import TYPE_CHECKING, TypeAlias
 
 from ._registry import fmt_spec
-from ._result import TapeError
 
 if TYPE_CHECKING:
-    from .._shell._params import Param, Storage
-    from .._shell._session import Session
-    from .._shell._tensor import Tensor
-    from ..nn import Module
     from ._tape import Tape
 
 __all__ = [
     "TAPE_LIMIT",
-    "module_ties",
+    "Drawn",
+    "Note",
+    "Rendering",
+    "SubtreeRenderer",
+    "constructor",
     "node_lines",
-    "render_module",
-    "render_param",
-    "render_session",
-    "render_storage",
     "render_tape",
-    "render_tensor",
     "storage_readers",
+    "treescope_module",
 ]
 
 TAPE_LIMIT = 20
@@ -75,18 +71,18 @@ SubtreeRenderer: TypeAlias = Callable[..., object]
 """treescope's ``subtree_renderer(value, path=...)`` handed to every ``__treescope_repr__``."""
 
 
-class _Note(str):
+class Note(str):
     """A child shown as plain (comment-colored) text instead of a rendered value."""
 
 
-class _Drawn:
+class Drawn:
     """A child already drawn (a nested tape: drawn directly, without treescope's box for its HTML table)."""
 
     def __init__(self, rendering: Rendering) -> None:
         self.rendering = rendering
 
 
-def _treescope() -> ModuleType | None:
+def treescope_module() -> ModuleType | None:
     """The treescope module, imported on first use; None when it is not installed."""
     try:
         return importlib.import_module("treescope")
@@ -151,29 +147,7 @@ def node_lines(
     return out
 
 
-def module_ties(module: Module) -> list[tuple[int, list[str]]]:
-    """``(storage uid, [path, ...])`` for each storage registered under more than one path, in definition order.
-
-    Tied records (:func:`tfl.tie <tapeflow.tie>`) and a Param or sub-module
-    stored in two places both share a storage; identity decides, never names.
-
-    >>> import jax, jax.numpy as jnp, tapeflow as tfl
-    >>> class AE(tfl.nn.Module):
-    ...     def __init__(self):
-    ...         self.enc = tfl.Param(jnp.ones((4, 2)), name="enc")
-    ...         self.dec = tfl.tie(self.enc, name="dec")
-    ...         self.b = tfl.Param(jnp.zeros(2))
-    >>> m = AE()
-    >>> [paths for uid, paths in module_ties(m)], module_ties(m)[0][0] == m.enc.storage.uid
-    ([['enc', 'dec']], True)
-    """
-    groups: dict[int, tuple[int, list[str]]] = {}
-    for name, p in module.parameter_records():
-        groups.setdefault(id(p.storage), (p.storage.uid, []))[1].append(name)
-    return [g for g in groups.values() if len(g[1]) > 1]
-
-
-def _build(
+def constructor(
     ts: ModuleType,
     obj: object,
     fields: Iterable[tuple[str, object]],
@@ -184,7 +158,7 @@ def _build(
 ) -> Rendering:
     """Constructor form ``Type(name=value, ...)`` as ``repr_lib.render_object_constructor`` draws it.
 
-    A field whose value is a :class:`_Note` is drawn as its text (a fact that is
+    A field whose value is a :class:`Note` is drawn as its text (a fact that is
     not an attribute, so it gets no copy-path button); a field named ``""`` is a
     bare line; one that starts with ``"# "`` is a comment, shown only while the
     node is open. ``expanded`` opens the node whatever treescope's layout would
@@ -192,7 +166,7 @@ def _build(
     """
     rp = ts.rendering_parts
     items = list(fields)
-    is_comment = [isinstance(v, _Note) and not n and v.startswith("# ") for n, v in items]
+    is_comment = [isinstance(v, Note) and not n and v.startswith("# ") for n, v in items]
     last = max((k for k, c in enumerate(is_comment) if not c), default=-1)
     children = []
     for k, (name, value) in enumerate(items):
@@ -205,9 +179,9 @@ def _build(
             comma = rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
         else:  # a bare line is not an argument: nothing after it when open, "; " when folded
             comma = rp.fold_condition(collapsed=rp.text("; "))
-        if isinstance(value, _Note):
+        if isinstance(value, Note):
             shown = rp.text(value)
-        elif isinstance(value, _Drawn):
+        elif isinstance(value, Drawn):
             shown = value.rendering
         else:
             child_path = None if path is None or not name.isidentifier() else f"{path}.{name}"
@@ -226,10 +200,6 @@ def _build(
     )
 
 
-def _storage_color(ts: ModuleType, uid: int) -> str:
-    return str(ts.formatting_util.color_from_string(f"tapeflow-storage-{uid}"))
-
-
 def render_tape(
     tape: Tape,
     path: str | None,
@@ -242,176 +212,12 @@ def render_tape(
 
     ``labels`` and ``storages`` name Param leaves and the storages they read (a session passes its own).
     """
-    ts = _treescope()
+    ts = treescope_module()
     if ts is None:
         return NotImplemented
     fields: list[tuple[str, object]] = [("len", len(tape))]
     if tape.device is not None:
-        fields.append(("device", _Note(str(tape.device))))
-    fields += [("", _Note(line)) for line in node_lines(tape, limit, labels, storages)]
+        fields.append(("device", Note(str(tape.device))))
+    fields += [("", Note(line)) for line in node_lines(tape, limit, labels, storages)]
     # drawn as the root (path ""), a tape opens even when its lines exceed treescope's height budget
-    return _build(ts, tape, fields, path, subtree_renderer, expanded=path == "" and len(tape) > 0)
-
-
-def render_session(s: Session, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
-    """Picture of a session: owner, generation, node count, RNG state, device and its tape.
-
-    Parameter storages used more than once in the current recording are listed
-    with their leaf ids (the leaves whose cotangents are summed).
-
-    >>> import jax.numpy as jnp, tapeflow as tfl, treescope
-    >>> s = tfl.Session(seed=3)
-    >>> s.reset()
-    >>> print(treescope.render_to_text(s))  # doctest: +ELLIPSIS
-    Session(
-      owner=...,
-      generation=1,
-      nodes=0,
-      rng_counter=0,
-      seed=3,
-      device=...,
-      grad_enabled=True,
-      tape=Tape(len=0, device=...),
-    )
-    """
-    ts = _treescope()
-    if ts is None:
-        return NotImplemented
-    fields: list[tuple[str, object]] = [
-        ("owner", s.owner),
-        ("generation", s.generation),
-        ("nodes", _Note(str(len(s.tape)))),
-        ("rng_counter", s.rng_counter),
-        ("seed", s.seed),
-        ("device", _Note(str(s.device))),
-        ("grad_enabled", s.grad_enabled),
-    ]
-    try:
-        groups = s.parameter_groups()
-        labels, storages = s.leaf_names(), s.leaf_storages()
-    except TapeError:  # drawn from another thread: the parameter leaves are the owner thread's business
-        groups, labels, storages = [], {}, {}
-    for g in groups:
-        if g.shared:
-            uid = "?" if g.storage is None else g.storage.uid
-            name = getattr(g.parameter, "name", None)
-            leaves = ", ".join(f"#{i}" for i in g.leaves)
-            fields.append(("", _Note(f"# storage #{uid} ({name}): tied leaves {leaves}, one summed gradient")))
-    tape_path = None if path is None else f"{path}.tape"
-    fields.append(("tape", _Drawn(render_tape(s.tape, tape_path, subtree_renderer, labels=labels, storages=storages))))
-    return _build(ts, s, fields, path, subtree_renderer)
-
-
-def render_tensor(h: Tensor, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
-    """Picture of a handle: shape, dtype, node id, owner and generation; op and value while it is current.
-
-    >>> import jax.numpy as jnp, tapeflow as tfl, treescope
-    >>> s = tfl.Session()
-    >>> x = s.input(jnp.ones(2))
-    >>> s.reset()
-    >>> "stale=True" in treescope.render_to_text(x)
-    True
-    """
-    ts = _treescope()
-    if ts is None:
-        return NotImplemented
-    fields: list[tuple[str, object]] = [
-        ("shape", h.shape),
-        ("dtype", _Note(str(h.dtype))),
-        ("id", h.id),
-        ("owner", h.owner),
-        ("generation", h.generation),
-    ]
-    s = h.session
-    if s is None or s.owner != h.owner:
-        fields.append(("", _Note("# no session" if s is None else "# from a different session")))
-    elif s.generation != h.generation:
-        fields.append(("stale", _Note("True")))
-        fields.append(("", _Note(f"# the session is at generation {s.generation}: reset() made this handle stale")))
-    else:
-        nd = s.tape[h.id]
-        fields += [("op", _Note("leaf" if nd.op is None else nd.op)), ("requires_grad", nd.requires_grad)]
-        try:
-            s.check_thread()
-            fields.append(("value", nd.value))
-        except TapeError:
-            pass
-    return _build(ts, h, fields, path, subtree_renderer)
-
-
-def render_storage(st: Storage, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
-    """Picture of a storage: uid, shape, dtype and which cell is current, in the storage's color."""
-    ts = _treescope()
-    if ts is None:
-        return NotImplemented
-    fields = [
-        ("uid", st.uid),
-        ("shape", st.shape),
-        ("dtype", _Note(str(st.dtype))),
-        ("host_current", st.host_current),
-    ]
-    return _build(ts, st, fields, path, subtree_renderer, color=_storage_color(ts, st.uid))
-
-
-def render_param(p: Param, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
-    """Picture of a Param: name, shape, dtype, trainable, its storage uid and value, in the storage's color.
-
-    Every record of one storage (``tfl.tie``) gets the same color.
-
-    >>> import jax.numpy as jnp, tapeflow as tfl, treescope
-    >>> w = tfl.Param(jnp.ones((2, 3)), name="w")
-    >>> text = treescope.render_to_text(w)
-    >>> f"storage=#{w.storage.uid}" in text and "shape=(2, 3)" in text
-    True
-    """
-    ts = _treescope()
-    if ts is None:
-        return NotImplemented
-    fields: list[tuple[str, object]] = [
-        ("name", p.name),
-        ("shape", p.shape),
-        ("dtype", _Note(str(p.dtype))),
-        ("trainable", p.trainable),
-        ("storage", _Note(f"#{p.storage.uid}")),
-        ("value", p.value),
-    ]
-    return _build(ts, p, fields, path, subtree_renderer, color=_storage_color(ts, p.storage.uid))
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _holds_parameters(v: object, depth: int = 0) -> bool:
-    if hasattr(v, "parameter_records") or hasattr(v, "storage"):
-        return True
-    if depth < 8 and isinstance(v, dict):
-        return any(_holds_parameters(x, depth + 1) for x in v.values())
-    if depth < 8 and isinstance(v, (list, tuple)):
-        return any(_holds_parameters(x, depth + 1) for x in v)
-    return False
-
-
-def render_module(m: Module, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
-    """Picture of a module: its attributes (Params, sub-modules, settings), then its parameter count and ties.
-
-    >>> import jax, jax.numpy as jnp, tapeflow as tfl, treescope
-    >>> emb = tfl.nn.Embedding(10, 4, key=jax.random.key(0))
-    >>> lm = tfl.nn.Sequential(emb, emb.tied_output())
-    >>> "# tied: storage #" in treescope.render_to_text(lm)
-    True
-    """
-    ts = _treescope()
-    if ts is None:
-        return NotImplemented
-    fields: list[tuple[str, object]] = [
-        (k, v) for k, v in vars(m).items() if not k.startswith("_") or _holds_parameters(v)
-    ]
-    params = m.parameters()
-    records = m.parameter_records()
-    if records:
-        counts = f"{_count(len(params), 'storage')}, {_count(len(records), 'registration')}"
-        fields.append(("", _Note(f"# {_count(m.num_parameters(), 'parameter')} in {counts}")))
-    for uid, paths in module_ties(m):
-        fields.append(("", _Note(f"# tied: storage #{uid} <- {', '.join(paths)}")))
-    return _build(ts, m, fields, path, subtree_renderer)
+    return constructor(ts, tape, fields, path, subtree_renderer, expanded=path == "" and len(tape) > 0)

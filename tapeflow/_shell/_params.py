@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from .._core import _registry as R
-from .._core import _treescope
 from .._core._device import device_of
 from .._core._typing import Array, ArrayLike, DTypeLike
+from . import _render
 from ._commit import commit
 from ._tensor import RemovableHandle, TensorOps
 from ._values import check_value_kind, stored
@@ -260,7 +260,7 @@ class Storage:
         return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        return _treescope.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+        return _render.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 
 class Param(TensorOps):
@@ -357,7 +357,7 @@ class Param(TensorOps):
         return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        return _treescope.render_param(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+        return _render.render_param(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 
 def _param_flatten(p: Param) -> tuple[tuple[Array], tuple[Storage, str | None, bool]]:

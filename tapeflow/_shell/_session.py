@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import _registry as R
-from .._core import _treescope
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as _tape_backward
 from .._core._device import concrete_array_type, default_device, device_of, resolve_device
@@ -47,6 +46,7 @@ from .._core._registry import attr_key as _attr_key
 from .._core._result import Err, TapeError
 from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf, place
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
+from . import _render
 from ._debug import NonFiniteCheck, Sites, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
@@ -411,7 +411,7 @@ class Session:
         )
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        return _treescope.render_session(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+        return _render.render_session(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- context ---------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -1436,7 +1436,7 @@ class Session:
         self.check_thread()
         if self._lane is not None:
             self._flush()  # a lane registers its Param leaves as it builds their nodes
-        return {i: str(getattr(p, "name", None) or "param") for i, p in sorted(self._params_by_leaf.items())}
+        return _render.leaf_names(self._params_by_leaf)
 
     def leaf_storages(self) -> dict[NodeId, str]:
         """The storage each Param leaf reads, by node id: ``"<name> storage"``, named after its first use.
@@ -1455,18 +1455,7 @@ class Session:
         {1: 'W storage', 3: 'W storage'}
         """
         names = self.leaf_names()
-        groups = group_parameter_leaves(self._params_by_leaf, self._storage_by_leaf)
-        out: dict[NodeId, str] = {}
-        taken: set[str] = set()
-        for g in groups:
-            base = f"{names[g.id]} storage"
-            label, k = base, 1
-            while label in taken:
-                k += 1
-                label = f"{base} ({k})"
-            taken.add(label)
-            out.update((i, label) for i in g.leaves)
-        return dict(sorted(out.items()))
+        return _render.storage_labels(names, group_parameter_leaves(self._params_by_leaf, self._storage_by_leaf))
 
     def to_dot(self) -> str:
         """Graphviz DOT text of this recording, with Param leaves named and the storages they read drawn.
@@ -1484,7 +1473,7 @@ class Session:
         >>> [ln.strip() for ln in s.to_dot().splitlines() if "W storage" in ln][0]
         's0 [label="W storage", shape=cylinder, style=filled, fillcolor="#fde7d9"];'
         """
-        return self._tape.to_dot(labels=self.leaf_names(), storages=self.leaf_storages())
+        return _render.session_dot(self)
 
 
 def traced_session(

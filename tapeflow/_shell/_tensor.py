@@ -35,10 +35,10 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .._core import _registry as R
-from .._core import _treescope
 from .._core._node import PENDING
 from .._core._result import TapeError
 from .._core._typing import Array, DTypeLike, NodeId, Shape
+from . import _render
 
 if TYPE_CHECKING:
     from .._core._backward import Hook
@@ -412,7 +412,7 @@ class Tensor(TensorOps):
         return format(x.item(), spec)
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        return _treescope.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+        return _render.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- operators only handles have --------------------------------------------
     def __pos__(self) -> Tensor:

@@ -28,9 +28,8 @@ import jax
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._core import _treescope
 from .._core._registry import fmt_spec
-from .._shell import _debug
+from .._shell import _debug, _render
 from .._shell._params import Param, canonical_indices, tie
 from .._shell._state import note_mode_read
 from .._shell._tensor import Tensor
@@ -450,4 +449,4 @@ class Module:
         return "\n".join(self._repr_lines("", {id(self): ""}))
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        return _treescope.render_module(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
+        return _render.render_module(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
