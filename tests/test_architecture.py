@@ -30,19 +30,21 @@ def _layer(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imported_layers(path: Path) -> dict[str, int]:
-    """The layers ``path`` imports from at run time (``if TYPE_CHECKING:`` blocks excluded), with a line each."""
+def _imported_layers(path: Path, root: Path = ROOT) -> dict[str, tuple[int, bool]]:
+    """The layers ``path`` imports from, with a line each and whether every such import is type-only.
+
+    Type-only imports (inside ``if TYPE_CHECKING:``) are imports too: a lower layer that names a higher
+    layer's class, even for a checker, describes what it reads with a Protocol of its own instead.
+    """
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
+    type_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for n in ast.walk(node))
-    package = list(path.relative_to(ROOT).with_suffix("").parts)
+            type_only.update(id(n) for n in ast.walk(node))
+    package = list(path.relative_to(root).with_suffix("").parts)
     package = package[:-1]  # the package a relative import starts from (also right for __init__.py)
-    out: dict[str, int] = {}
+    out: dict[str, tuple[int, bool]] = {}
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name.split(".") for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -54,7 +56,8 @@ def _imported_layers(path: Path) -> dict[str, int]:
             continue
         for t in targets:
             if len(t) >= 2 and t[0] == "tapeflow" and t[1] in RANK:
-                out.setdefault(t[1], node.lineno)
+                line, only_types = out.get(t[1], (node.lineno, True))
+                out[t[1]] = (min(line, node.lineno), only_types and id(node) in type_only)
     return out
 
 
@@ -71,11 +74,29 @@ def test_imports_point_one_way(path: Path) -> None:
     me = _layer(path)
     if me == "__init__":
         return  # the public surface re-exports from every layer
-    for dep, line in sorted(_imported_layers(path).items()):
+    for dep, (line, only_types) in sorted(_imported_layers(path).items()):
+        kind = " (type-only, under `if TYPE_CHECKING:`, which counts too)" if only_types else ""
         assert RANK[dep] <= RANK[me], (
-            f"tapeflow/{path.relative_to(PKG)}:{line} ({me}) imports from {dep}, a higher layer; imports point "
-            f"to the layers before it: {' < '.join(LAYERS)} (see docs/architecture.md)"
+            f"tapeflow/{path.relative_to(PKG)}:{line} ({me}) imports from {dep}, a higher layer{kind}; "
+            f"imports point to the layers before it: {' < '.join(LAYERS)}; name what a higher layer's object "
+            "offers with a Protocol in the lower layer (see docs/architecture.md)"
         )
+
+
+def test_the_layer_check_sees_type_only_imports(tmp_path: Path) -> None:
+    """An upward import under ``if TYPE_CHECKING:`` is found, and reported as type-only."""
+    code = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import _typing\n"
+        "if TYPE_CHECKING:\n"
+        "    from .._shell._session import Session\n"
+        "    from ..nn import Module\n"
+    )
+    fake = tmp_path / "tapeflow" / "_core" / "_probe.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(code)
+    found = _imported_layers(fake, tmp_path)
+    assert found == {"_core": (2, False), "_shell": (4, True), "nn": (5, True)}
 
 
 def test_every_module_is_in_the_architecture_page() -> None:

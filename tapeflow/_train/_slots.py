@@ -15,7 +15,7 @@ own :func:`optax.tree_utils.tree_map_params`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import Protocol, TypeAlias, cast
 
 import optax
 from optax.tree_utils import tree_map_params
@@ -23,15 +23,19 @@ from optax.tree_utils import tree_map_params
 from .._core._typing import OptState, PyTree
 from .._shell._params import Param
 
-if TYPE_CHECKING:
-    from ..nn import Module
-
-__all__ = ["ParamCollection", "SlotKey", "records_of", "slot_index_tree"]
+__all__ = ["NamedParameters", "ParamCollection", "SlotKey", "records_of", "slot_index_tree"]
 
 SlotKey: TypeAlias = "str | int"
 """The key of one slot in the optax params pytree: the first name of its storage (mapping), else its position."""
 
-ParamCollection: TypeAlias = "Param | Sequence[Param] | Mapping[str, Param] | Module"
+
+class NamedParameters(Protocol):
+    """A collection that names its parameters, as a ``tfl.nn.Module`` does (this layer sits below ``nn``)."""
+
+    def named_parameters(self) -> Sequence[tuple[str, Param]]: ...
+
+
+ParamCollection: TypeAlias = "Param | Sequence[Param] | Mapping[str, Param] | NamedParameters"
 """What :class:`~tapeflow.Optimizer` accepts: one Param, a sequence, a mapping ``name -> Param``, or a module."""
 
 
