@@ -173,6 +173,23 @@ def test_functions_stub_is_up_to_date() -> None:
     assert set(_functions.__all__) <= names, "every op function has a stub entry"
 
 
+def test_surface_method_stub_is_up_to_date() -> None:
+    """tapeflow/_shell/_surface_methods.pyi (the table's Tensor methods, for type checkers) matches the table.
+
+    Checked in a fresh interpreter, as a user imports tapeflow (without the suite's x64), by the generator itself.
+    """
+    gen = ROOT / "docs" / "_ext" / "gen_method_stub.py"
+    proc = subprocess.run([sys.executable, str(gen), "--check"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stub = ROOT / "tapeflow" / "_shell" / "_surface_methods.pyi"
+    compile(stub.read_text(), str(stub), "exec")
+    from tapeflow._shell._surface import SURFACE
+
+    declared = set(re.findall(r"^    def (\w+)\(", stub.read_text(), re.M))
+    bound = {n for n, e in SURFACE.items() if e.bind & {"method", "property"} and e.records != "stored"}
+    assert declared == bound, "every bound Tensor method and property has a stub entry"
+
+
 @pytest.fixture(scope="module")
 def strict_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     """One strict build of the site for the module (about 30 s): the process (its log) and the site folder."""

@@ -127,7 +127,9 @@ def torch_entry(
         raise ValueError(f"torch_entry: bind={sorted(where)} must be a non-empty subset of {sorted(_BINDINGS)}")
     kind = records.split(":", 1)[0]
     if kind not in ("op", "ops", "lifted", "host", "constant", "module", "stored"):
-        raise ValueError(f"torch_entry: records={records!r} must start with op:, ops:, lifted, host, constant or stored")
+        raise ValueError(
+            f"torch_entry: records={records!r} must start with op:, ops:, lifted, host, constant or stored"
+        )
 
     def deco(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         main = name or fn.__name__

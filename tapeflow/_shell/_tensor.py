@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from .._core._backward import Hook
     from .._core._tape import Node
     from ._session import Session
+    from ._surface_methods import SurfaceMethods  # the table's methods, generated for type checkers
+else:
+    SurfaceMethods = object  # bound at import from the table (tapeflow/_shell/_torch.py)
 
 __all__ = [
     "RemovableHandle",
@@ -54,6 +57,9 @@ __all__ = [
     "current_session",
     "host_value",
     "last_recorded_session",
+    "promote",
+    "promoted_div",
+    "promoted_pow",
     "record_op",
     "session_of",
 ]
@@ -142,6 +148,186 @@ def pop_current(token: contextvars.Token[Session | None]) -> None:
     _CURRENT.reset(token)
 
 
+# --------------------------------------------------------------------------- PyTorch's type promotion
+
+_BOOL_DT = np.dtype(bool)
+_FLOAT_DT = np.dtype(np.float32)  # PyTorch's default float dtype, what a Python float promotes to
+_KIND: dict[np.dtype, int] = {}  # dtype -> 0 bool, 1 integer, 2 floating, 3 complex, -1 neither (exact rationals)
+_RESULT: dict[tuple[np.dtype | None, np.dtype | None, np.dtype | None], np.dtype | None] = {}
+
+
+def _kind(dt: np.dtype) -> int:
+    k = _KIND.get(dt)
+    if k is None:
+        if dt == _BOOL_DT:
+            k = 0
+        elif np.issubdtype(dt, np.integer):
+            k = 1
+        elif np.issubdtype(dt, np.complexfloating):
+            k = 3
+        elif jax.numpy.issubdtype(dt, jax.numpy.floating):  # bfloat16 and the float8 types too
+            k = 2
+        else:
+            k = -1
+        _KIND[dt] = k
+    return k
+
+
+def _join(a: np.dtype | None, b: np.dtype) -> np.dtype:
+    return b if a is None or a == b else np.dtype(jax.numpy.promote_types(a, b))
+
+
+def _combine(higher: np.dtype | None, lower: np.dtype | None) -> np.dtype | None:
+    """PyTorch's rule for two priority classes: ``lower`` counts only where its kind is above ``higher``'s."""
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    kh, kl = _kind(higher), _kind(lower)
+    if kh == 3 or (kh == 2 and kl < 3):
+        return higher
+    if kl == 3:
+        return np.dtype(jax.numpy.promote_types(higher, np.complex64)) if kh == 2 else lower
+    if kh == 0 or kl == 2:
+        return _join(higher, lower)
+    return higher
+
+
+def _result(dims: np.dtype | None, zeros: np.dtype | None, scalars: np.dtype | None) -> np.dtype | None:
+    key = (dims, zeros, scalars)
+    got = _RESULT.get(key, _RESULT)
+    if got is _RESULT:
+        r = _combine(dims, _combine(zeros, scalars))
+        got = None if r is None else np.dtype(jax.dtypes.canonicalize_dtype(r))  # int64 -> int32 without x64
+        _RESULT[key] = got
+    return got  # type: ignore[return-value]
+
+
+def _scalar_dtype(o: object) -> np.dtype:
+    """The dtype PyTorch gives a Python number: bool, int64 (JAX's canonical int), the default float dtype."""
+    if isinstance(o, (bool, np.bool_)):
+        return _BOOL_DT
+    if isinstance(o, (int, np.integer)):
+        return np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+    if isinstance(o, (float, np.floating)):
+        return _FLOAT_DT
+    return np.dtype(np.complex64)
+
+
+_PY = {0: bool, 1: int, 2: float, 3: complex}
+
+
+def promote(operands: tuple[Operand, ...]) -> tuple[Operand, ...]:
+    """``operands`` cast to the dtype PyTorch's ``torch.result_type`` gives them (the PyTorch surface's arithmetic).
+
+    PyTorch ranks the kinds bool < integer < floating < complex. Tensors with
+    dimensions decide the dtype; 0-d tensors and then Python numbers (weak)
+    count only when their kind is above every tensor's: ``int32 + float32`` is
+    float32, ``float16 + 0-d float32`` float16, ``int32 * 1.5`` float32,
+    ``bool + 1`` int. int64 / float64 become JAX's int32 / float32 without
+    ``jax_enable_x64``. Tensors and Params are cast with the ``astype`` op (its
+    gradient flows back), arrays cast directly, numbers become the result's
+    Python type; operands already of the result's dtype are returned as they
+    are. The registry's ops themselves never promote.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     i, f = s.input(jnp.arange(2)), s.input(jnp.ones(2, jnp.float16))
+    ...     [o.dtype.name if hasattr(o, "dtype") else o for o in promote((i, f, 2))]
+    ['float16', 'float16', 2]
+    """
+    if len(operands) == 2:  # the common cases first: two tensors of one dtype, a tensor and a number of its kind
+        a, b = operands
+        ta, tb = type(a), type(b)
+        if ta is Tensor:
+            if tb is Tensor and a.dtype is b.dtype:  # type: ignore[union-attr]
+                return operands
+            if tb is float or tb is int:
+                k = _KIND.get(a.dtype)  # type: ignore[union-attr]
+                if k == 2 or (k == 1 and tb is int):
+                    return operands
+        elif tb is Tensor and (ta is float or ta is int):
+            k = _KIND.get(b.dtype)  # type: ignore[union-attr]
+            if k == 2 or (k == 1 and ta is int):
+                return operands
+    dims = zeros = scalars = None
+    handles = False
+    for o in operands:
+        t = type(o)
+        if t is float or t is int or t is bool or isinstance(o, (int, float, complex, np.generic)):
+            scalars = _join(scalars, _scalar_dtype(o))
+            continue
+        if isinstance(o, TensorOps):
+            handles = True
+            dt, shape = o.dtype, o.shape  # type: ignore[attr-defined]
+        elif isinstance(o, (np.ndarray, jax.Array)):
+            dt, shape = o.dtype, o.shape
+        else:  # lists, another framework's arrays: their host value's dtype
+            a = np.asarray(o)
+            dt, shape = a.dtype, a.shape
+        dt = np.dtype(dt)
+        if _kind(dt) < 0:
+            return operands  # exact rationals (object arrays): no promotion
+        if shape:
+            dims = _join(dims, dt)
+        else:
+            zeros = _join(zeros, dt)
+    want = _result(dims, zeros, scalars)
+    if want is None:
+        return operands
+    kind = _kind(want)
+    out: list[Operand] = []
+    for o in operands:
+        if isinstance(o, TensorOps):
+            out.append(o if o.dtype == want else apply("astype", o, dtype=want))  # type: ignore[attr-defined]
+        elif isinstance(o, (int, float, complex, np.generic)):
+            # a number takes the dtype of the handle operands it is recorded with; alone, it is an array
+            out.append(_PY[kind](o) if handles else np.asarray(o, want))
+        elif isinstance(o, jax.Array):
+            out.append(o if o.dtype == want else o.astype(want))
+        else:
+            a = np.asarray(o)
+            out.append(o if a.dtype == want else a.astype(want))
+    return tuple(out)
+
+
+def promoted_div(a: Operand, b: Operand) -> Tensor:
+    """``a / b`` as PyTorch divides: operands promoted (:func:`promote`), integers and booleans divided as float32.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     promoted_div(s.input(jnp.array([1, 3])), 2).tolist()
+    [0.5, 1.5]
+    """
+    a, b = promote((a, b))
+    if _kind(_operand_dtype(a)) < 2 and _kind(_operand_dtype(b)) < 2:
+        a, b = promote((a, b, 1.0))[:2]  # true division: the default float dtype
+    return apply("div", a, b)
+
+
+def promoted_pow(a: Operand, b: Operand) -> Tensor:
+    """``a ** b`` as PyTorch raises: operands promoted (:func:`promote`); integers stay integers (no gradient).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> with tfl.Session() as s:
+    ...     i = s.input(jnp.array([2, 3]))
+    ...     promoted_pow(i, 2).tolist(), promoted_pow(i, 0.5).dtype.name
+    ([4, 9], 'float32')
+    """
+    a, b = promote((a, b))
+    if _kind(_operand_dtype(a)) < 2:  # the pow op takes floats: integer powers are jax.numpy's
+        from ._numpy import record
+
+        if not any(isinstance(o, TensorOps) for o in (a, b)):
+            a = np.asarray(a)
+        return record("power", a, b)
+    return apply("pow", a, b)
+
+
+def _operand_dtype(o: Operand) -> np.dtype:
+    """The dtype of an operand after :func:`promote` (a Python number: the dtype it promotes as)."""
+    dt = getattr(o, "dtype", None)
+    return _scalar_dtype(o) if dt is None else np.dtype(dt)
+
+
 # --------------------------------------------------------------------------- the operator set
 
 
@@ -161,7 +347,7 @@ def torch_alias(opname: str, value: object, default: object, alias: object, name
     return tuple(alias) if isinstance(alias, list) else alias
 
 
-class TensorOps:
+class TensorOps(SurfaceMethods):
     """The operators shared by :class:`Tensor` handles and :class:`~tapeflow.Param` s.
 
     Each one records a registry op with :func:`apply`; a Param operand records a
@@ -178,28 +364,44 @@ class TensorOps:
     __array_priority__ = 1000
 
     def __add__(self, o: Operand) -> Tensor:
-        return apply("add", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("add", self, o)
+        return apply("add", *promote((self, o)))
 
     def __radd__(self, o: Operand) -> Tensor:
-        return apply("add", o, self)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("add", o, self)
+        return apply("add", *promote((o, self)))
 
     def __sub__(self, o: Operand) -> Tensor:
-        return apply("sub", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("sub", self, o)
+        return apply("sub", *promote((self, o)))
 
     def __rsub__(self, o: Operand) -> Tensor:
-        return apply("sub", o, self)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("sub", o, self)
+        return apply("sub", *promote((o, self)))
 
     def __mul__(self, o: Operand) -> Tensor:
-        return apply("mul", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("mul", self, o)
+        return apply("mul", *promote((self, o)))
 
     def __rmul__(self, o: Operand) -> Tensor:
-        return apply("mul", o, self)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("mul", o, self)
+        return apply("mul", *promote((o, self)))
 
     def __truediv__(self, o: Operand) -> Tensor:
-        return apply("div", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype and _kind(o.dtype) == 2:  # type: ignore[attr-defined]
+            return apply("div", self, o)
+        return promoted_div(self, o)
 
     def __rtruediv__(self, o: Operand) -> Tensor:
-        return apply("div", o, self)
+        if type(o) is Tensor and o.dtype is self.dtype and _kind(o.dtype) == 2:  # type: ignore[attr-defined]
+            return apply("div", o, self)
+        return promoted_div(o, self)
 
     def __matmul__(self, o: Operand) -> Tensor:
         return apply("matmul", self, o)
@@ -208,10 +410,14 @@ class TensorOps:
         return apply("matmul", o, self)
 
     def __pow__(self, o: Operand) -> Tensor:
-        return apply("pow", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype and _kind(o.dtype) == 2:  # type: ignore[attr-defined]
+            return apply("pow", self, o)
+        return promoted_pow(self, o)
 
     def __rpow__(self, o: Operand) -> Tensor:
-        return apply("pow", o, self)
+        if type(o) is Tensor and o.dtype is self.dtype and _kind(o.dtype) == 2:  # type: ignore[attr-defined]
+            return apply("pow", o, self)
+        return promoted_pow(o, self)
 
     def __neg__(self) -> Tensor:
         return apply("neg", self)
@@ -220,16 +426,24 @@ class TensorOps:
         return apply("abs", self)
 
     def __lt__(self, o: Operand) -> Tensor:
-        return apply("lt", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("lt", self, o)
+        return apply("lt", *promote((self, o)))
 
     def __le__(self, o: Operand) -> Tensor:
-        return apply("le", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("le", self, o)
+        return apply("le", *promote((self, o)))
 
     def __gt__(self, o: Operand) -> Tensor:
-        return apply("gt", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("gt", self, o)
+        return apply("gt", *promote((self, o)))
 
     def __ge__(self, o: Operand) -> Tensor:
-        return apply("ge", self, o)
+        if type(o) is Tensor and o.dtype is self.dtype:  # type: ignore[attr-defined]
+            return apply("ge", self, o)
+        return apply("ge", *promote((self, o)))
 
     def __getitem__(self, idx: object) -> Tensor:
         """Basic indexing records ``index``; an integer array or Tensor index records ``take`` along axis 0.
