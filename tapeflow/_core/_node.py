@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import islice
-from typing import Any, TypeAlias, overload
+from typing import TypeAlias, overload
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class _Pending:
         return "<pending>"
 
 
-PENDING: Any = _Pending()  # one marker object: ``node.value is PENDING``
+PENDING: Array = _Pending()  # one marker object in a node's value slot: ``node.value is PENDING``
 
 
 class Node:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,11 @@ from . import _registry as R
 from . import _treescope
 from ._checks import is_int
 from ._device import concrete_array_type, device_of, resolve_device
-from ._node import PENDING, Node, NodeView
+from ._node import PENDING, Node, NodeMeta, NodeView
 from ._result import Err, Ok, TapeError
 from ._typing import Array, ArrayLike, AttrValue, DeviceLike
+
+T = TypeVar("T")
 
 __all__ = [
     "PENDING",
@@ -152,7 +154,9 @@ class Tape:
         dev = "" if self.device is None else f", device={self.device}"
         return f"Tape(len={self._n}{dev})"
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(
+        self, path: str | None, subtree_renderer: _treescope.SubtreeRenderer
+    ) -> _treescope.Rendering:
         return _treescope.render_tape(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     def to_dot(self, labels: Mapping[int, str] | None = None, storages: Mapping[int, str] | None = None) -> str:
@@ -280,7 +284,7 @@ def computed_values(nodes: Sequence[Node], pending: Container[int], given: Itera
     return values
 
 
-def with_values(tape: Tape, values: Sequence[Any]) -> Tape:
+def with_values(tape: Tape, values: Sequence[Array | None]) -> Tape:
     """A tape with ``tape``'s nodes (ops, attributes, parents, specs) holding ``values`` instead.
 
     A lazy session's programs rebuild a recording this way: with ``None`` values
@@ -298,13 +302,17 @@ def with_values(tape: Tape, values: Sequence[Any]) -> Tape:
     return Tape._make(_Buffer(nodes), tape._n, tape.device)
 
 
-def _flatten(t: Tape) -> tuple[list[Any], tuple[Any, ...]]:
+_Aux: TypeAlias = "tuple[jax.Device | None, tuple[NodeMeta, ...]]"
+"""A tape's pytree structure: its device and each node's static part."""
+
+
+def _flatten(t: Tape) -> tuple[list[Array], _Aux]:
     nodes = t._buf.nodes
     n = t._n
     return [nodes[i].value for i in range(n)], (t.device, tuple(nodes[i].meta for i in range(n)))
 
 
-def _unflatten(aux: tuple[Any, ...], values: Iterable[Any]) -> Tape:
+def _unflatten(aux: _Aux, values: Iterable[Array]) -> Tape:
     device, metas = aux
     out: list[Node] = []
     for (op, attrs, parents, rg, shape, dtype, opdef), v in zip(metas, values):
@@ -522,7 +530,7 @@ def node_id(tape: Tape, i: object, where: str, what: str) -> int:
     return j
 
 
-def _operands_note(tape: Tape, inputs: Any) -> str:
+def _operands_note(tape: Tape, inputs: Iterable[int]) -> str:
     """`` (operands: ...)`` for an error message, or ``""`` when ``inputs`` are not all node ids."""
     try:
         ids = tuple(inputs)
@@ -634,7 +642,7 @@ def kernel_failed(op: str, ins: Sequence[Node], e: Exception) -> str:
 
 
 def _check(
-    tape: Tape, op: Any, inputs: Any, attrs: dict[str, Any]
+    tape: Tape, op: str, inputs: Sequence[int], attrs: dict[str, AttrValue]
 ) -> Err | tuple[tuple[int, ...], list[Node], R.FwdEntry]:
     """Every check of ``record``, with a readable error for each failure."""
     d = R.REGISTRY.get(op) if isinstance(op, str) else None
@@ -722,8 +730,8 @@ _OKS = [Ok(i) for i in range(_N_OKS)]  # Ok is immutable: small results are shar
 
 
 def keep_tape_on_error(
-    t0: Tape, result: tuple[Tape, Ok[int] | Err] | Ok[Any] | Err | Exception
-) -> tuple[Tape, Ok[Any] | Err]:
+    t0: Tape, result: tuple[Tape, Ok[T] | Err] | Ok[T] | Err | Exception
+) -> tuple[Tape, Ok[T] | Err]:
     """Pair a constructor's result with the tape to keep afterwards.
 
     On success that is the extended tape; on failure it is ``t0``, the tape the

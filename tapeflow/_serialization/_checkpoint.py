@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import (
     TYPE_CHECKING,
-    Any,
     NamedTuple,
     Protocol,
     TypeAlias,
@@ -49,6 +48,7 @@ import numpy as np
 
 from .._core import _registry as R
 from .._core._device import default_device, device_of
+from .._core._typing import Array, ArrayLike, DTypeLike
 from .._shell._commit import commit
 from .._shell._params import Param, canonical_indices
 from .._shell._session import Session
@@ -96,7 +96,7 @@ ParamSource: TypeAlias = "Param | Mapping[str, Param] | Iterable[Param] | _HasRe
 StrPath: TypeAlias = "str | os.PathLike[str]"
 
 
-def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param], bool]:
+def _registrations(params_or_module: ParamSource) -> tuple[list[str | None], list[Param], bool]:
     """(names, registrations, keyed): keyed when names come from a mapping or a module."""
     obj = params_or_module
     if isinstance(obj, Param):
@@ -109,7 +109,7 @@ def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param]
         pairs, keyed = [(str(k), v) for k, v in obj.items()], True
     else:
         try:
-            recs = list(obj)
+            recs = list(cast("Iterable[Param]", obj))  # anything else a user passes fails here, at run time
         except TypeError:
             raise TypeError(
                 f"expected a sequence of tfl.Param, a mapping name -> Param, or a module with parameter_records(); got {type(obj).__name__}"
@@ -132,7 +132,7 @@ def _registrations(params_or_module: Any) -> tuple[list[str | None], list[Param]
     return names, regs, keyed
 
 
-def _spec_str(shape: Any, dtype: Any) -> str:
+def _spec_str(shape: Iterable[int], dtype: DTypeLike) -> str:
     return R.fmt_spec((tuple(shape), np.dtype(dtype)))
 
 
@@ -141,7 +141,7 @@ def _layout(regs: list[Param]) -> tuple[int, ...]:
     return tuple(cast("list[int]", canonical_indices([p.storage for p in regs])))
 
 
-def _digest(a: Any) -> str:
+def _digest(a: ArrayLike) -> str:
     return hashlib.sha256(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()
 
 
@@ -150,14 +150,14 @@ def _reg_label(i: int, names: list[str | None]) -> str:
     return f"registration {i}" + (f" ({n!r})" if n is not None else "")
 
 
-def _check_not_rational(dtype: Any, what: str) -> None:
+def _check_not_rational(dtype: DTypeLike, what: str) -> None:
     if np.dtype(dtype) == R.OBJECT:
         raise CheckpointError(
             f"{what} holds exact rationals (object dtype); checkpoints of exact rational parameters are not supported. Convert the values to a float dtype first (or pickle them yourself)"
         )
 
 
-def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str | None], verb: str) -> list[int]:
+def _opt_slot_registrations(optimizer: Optimizer, regs: list[Param], names: list[str | None], verb: str) -> list[int]:
     """For each optimizer slot, the first registration (in ``regs``) of its storage."""
     first: dict[int, int] = {}
     for i, p in enumerate(regs):
@@ -174,7 +174,7 @@ def _opt_slot_registrations(optimizer: Any, regs: list[Param], names: list[str |
     return out
 
 
-def _check_opt_current(optimizer: Any) -> None:
+def _check_opt_current(optimizer: Optimizer) -> None:
     now = canonical_indices([p.storage for p in optimizer.records])
     if now != optimizer.alias_layout:
         raise CheckpointError(
@@ -182,7 +182,7 @@ def _check_opt_current(optimizer: Any) -> None:
         )
 
 
-def _opt_leaves(optimizer: Any) -> tuple[Any, list[Any], list[str]]:
+def _opt_leaves(optimizer: Optimizer) -> tuple[jax.tree_util.PyTreeDef, list[Array], list[str]]:
     """(treedef, leaves, key path of each leaf) of the optax state."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(optimizer.state)
     return treedef, [x for _, x in with_paths], [jax.tree_util.keystr(kp) for kp, _ in with_paths]
@@ -304,7 +304,7 @@ def save(
     )
 
     ocp = import_orbax()
-    items: dict[str, Any] = {META: ocp.args.JsonSave(meta.to_json())}
+    items: dict[str, object] = {META: ocp.args.JsonSave(meta.to_json())}
     for item, tree in arrays.items():
         if tree:
             items[item] = ocp.args.StandardSave(tree)

@@ -20,13 +20,13 @@ import copy
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
 
 from .._core import _registry as R
 from .._core._device import device_of
+from .._core._treescope import Rendering, SubtreeRenderer
 from .._core._typing import Array, ArrayLike, DTypeLike
 from . import _render
 from ._commit import commit
@@ -259,7 +259,7 @@ class Storage:
     def __repr__(self) -> str:
         return f"<Storage #{self.uid} {R.fmt_spec((self.shape, self.dtype))}>"
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
         return _render.render_storage(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 
@@ -356,7 +356,7 @@ class Param(TensorOps):
         frozen = "" if self.trainable else ", frozen"
         return f"Param({self.name!r}, {R.fmt_spec((self.shape, self.dtype))}, storage=#{self.storage.uid}{frozen})"
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
         return _render.render_param(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +45,30 @@ from ._commit import commit
 from ._grads import Grads
 from ._params import Param, Storage
 
-__all__ = ["StateLog", "check_state_cell", "mode_reads", "note_mode_read", "state_log_of", "state_writes_refused"]
+__all__ = [
+    "ModeOwner",
+    "StateLog",
+    "check_state_cell",
+    "mode_reads",
+    "note_mode_read",
+    "state_log_of",
+    "state_writes_refused",
+]
 
 
-_MODE_READS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar("tapeflow_mode_reads", default=None)
+class ModeOwner(Protocol):
+    """What has a train/eval mode (an ``nn.Module``): a compiled program is keyed by it."""
+
+    @property
+    def training(self) -> bool: ...
 
 
-def note_mode_read(owner: object) -> None:
+_MODE_READS: contextvars.ContextVar[dict[int, ModeOwner] | None] = contextvars.ContextVar(
+    "tapeflow_mode_reads", default=None
+)
+
+
+def note_mode_read(owner: ModeOwner) -> None:
     """Note that ``owner``'s train/eval mode was read (``Module.training`` calls this) while :func:`mode_reads` collects."""
     reads = _MODE_READS.get()
     if reads is not None:
@@ -59,7 +76,7 @@ def note_mode_read(owner: object) -> None:
 
 
 @contextlib.contextmanager
-def mode_reads() -> Iterator[dict[int, Any]]:
+def mode_reads() -> Iterator[dict[int, ModeOwner]]:
     """Collect the objects whose mode is read inside the block (``id -> object``), e.g. while a step is traced.
 
     A compiled program bakes in the modes its trace read; :class:`~tapeflow.TrainStep`
@@ -74,7 +91,7 @@ def mode_reads() -> Iterator[dict[int, Any]]:
     >>> list(reads.values()) == [drop]
     True
     """
-    reads: dict[int, Any] = {}
+    reads: dict[int, ModeOwner] = {}
     token = _MODE_READS.set(reads)
     try:
         yield reads

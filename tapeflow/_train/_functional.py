@@ -44,7 +44,7 @@ from .._shell._grads import global_norm_of
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._random import RNG_SEED_RANGE
 from .._shell._session import Session, traced_session
-from .._shell._state import mode_reads
+from .._shell._state import ModeOwner, mode_reads
 from .._shell._tensor import Tensor
 from .._shell._values import foreign_array
 from . import _step
@@ -414,7 +414,7 @@ class TrainStep:
         self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
         # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
-        self._moded: list[weakref.ref[Any]] = []
+        self._moded: list[weakref.ref[ModeOwner]] = []
         self._mode_retrace = True  # a trace may ask for one retrace per call to key on newly read modes
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
