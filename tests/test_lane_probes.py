@@ -1652,7 +1652,7 @@ def test_negative_zero_attribute_after_positive_zero():
             with s:
                 lo = -0.0 if step == 4 else 0.0
                 with np.errstate(divide="ignore"):
-                    got = np.asarray(1.0 / tfl.clamp(s.input(xs), lo=lo))
+                    got = np.asarray(1.0 / tfl.clamp(s.input(xs), min=lo))
                     np.testing.assert_array_equal(got, 1.0 / np.clip(xs, lo, None))
 
 

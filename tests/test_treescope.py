@@ -118,8 +118,8 @@ def test_session_shows_owner_generation_nodes_rng_counter_and_tied_leaves() -> N
     assert f"len={n}" in text and f"#{n - 1} mse(" in text
     # the session names its Param leaves and the storage they read, and marks the tied uses
     a, b = leaves[0]
-    assert f"#{a} leaf weight float32[4,2] requires_grad <- weight storage (tied)" in text
-    assert f"#{b} leaf dec float32[4,2] requires_grad <- weight storage (tied)" in text
+    assert f"#{a} leaf weight float32[2,4] requires_grad <- weight storage (tied)" in text
+    assert f"#{b} leaf dec float32[2,4] requires_grad <- weight storage (tied)" in text
     assert "Rich HTML" not in text  # the nested tape is drawn directly, without treescope's box for its HTML
     s.reset()
     text = _text(s)
