@@ -174,13 +174,7 @@ def _why(old: tuple[SigEntry, ...] | None, new: tuple[SigEntry, ...]) -> str:
             continue
         was = before.pop((label, kind))
         if was != v:
-            changes.append(
-                f"new structure: {v}"
-                if kind == "structure"
-                else f"new {label}"  # an identity's value (a hash) says nothing to a reader
-                if kind == "identity"
-                else f"new {kind} of {label}: {was} -> {v}"
-            )
+            changes.append(f"new structure: {v}" if kind == "structure" else f"new {kind} of {label}: {was} -> {v}")
     changes += sorted({f"no {label} any more" for label, _ in before})
     if not changes:
         return "the same signature again (its compiled program was dropped: an evicted cache entry or jax.clear_caches)"

@@ -339,9 +339,10 @@ def _log_trace(
     """Tell the compile log (while ``name`` is traced) what compiles: counted per recording without its shapes.
 
     The signature is the shape and dtype of every leaf, each node's attributes and (a step
-    program) the optimizer state's leaves with their weak types and the update rule it runs (equal
-    for equal optax structures and hyperparameters), so a recompile names the input whose shape
-    changed (a new batch size), the attribute, the state leaf or the new rule.
+    program) the optimizer state's leaves with their weak types, so a recompile names the input
+    whose shape changed (a new batch size), the attribute or the state leaf. A step program is
+    counted per update rule too (``step``: equal for equal optax structures and hyperparameters):
+    another optimizer's program is a first compile of its own, not a new signature of the last one.
     """
     nodes = skel.nodes
     ops = tuple((nd.op, nd.opdef, nd.parents, nd.requires_grad) for nd in nodes)
@@ -354,14 +355,11 @@ def _log_trace(
                 sig.append((f"input node {i}", "dtype", str(nd.dtype)))
             else:
                 sig += [(f"node {i} ({nd.op}) attribute {k}", "static value", v) for k, v in nd.attrs]
-        sig += _compile_log.tree_signature(state, "optimizer state leaf")
-        if step is not None:
-            sig.append(
-                ("optimizer update rule (another optax transformation or hyperparameter)", "identity", hash(step))
-            )
-        return sig
+        return sig + _compile_log.tree_signature(state, "optimizer state leaf")
 
-    _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", (name, ops, pending), signature)
+    # the rule by its hash: the log's bounded table of keys must not hold an optimizer (nor its Params)
+    key = (name, ops, pending) if step is None else (name, ops, pending, hash(step))
+    _compile_log.traced(name, f"{what} ({len(nodes)} nodes)", key, signature)
 
 
 class ProgramKey:
