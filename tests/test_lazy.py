@@ -413,7 +413,7 @@ def test_scalar_operands_are_arguments_and_scalar_attributes_are_keys():
 
     def run(scale, lo):
         with s:
-            return tfl.clamp(s.input(x) * scale, lo=lo).value.tolist()
+            return tfl.clamp(s.input(x) * scale, min=lo).value.tolist()
 
     run(2.0, 0.5)
     before = programs()
