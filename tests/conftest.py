@@ -150,6 +150,7 @@ def _frozen_heap():
 # `pytest -n 2 --dist loadfile` they are handed out first, longest first (pytest_xdist_make_scheduler
 # below); the other files follow in xdist's own order. Only the order changes, never what runs.
 LONG_FILES = {
+    "test_torch_conformance.py": 200,  # PyTorch's OpInfo/ModuleInfo samples: every new shape compiles kernels
     "test_examples.py": 150,  # the example scripts and the notebook, several in fresh interpreters
     "test_docs.py": 105,  # the doc pages' code, the docstring examples, a strict mkdocs build
     "test_fuzz_session.py": 80,  # one test: the stateful fuzzer (two to three times slower late in a run)
