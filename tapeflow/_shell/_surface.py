@@ -50,10 +50,11 @@ from typing import Literal, ParamSpec, TypeVar
 
 __all__ = ["SURFACE", "Binding", "Entry", "bind_methods", "entries", "markdown_table", "torch_entry"]
 
-Binding = Literal["method", "property", "tfl", "F"]
-"""Where an entry's name is bound: a Tensor method or property, ``tfl.<name>``, ``tfl.nn.functional.<name>``."""
+Binding = Literal["method", "property", "tfl", "F", "nn"]
+"""Where an entry's name is bound: a Tensor method or property, ``tfl.<name>``, ``tfl.nn.functional.<name>``, or
+``tfl.nn.<name>`` (a module class, declared by decorating the class: ``records="module"``)."""
 
-_BINDINGS: frozenset[str] = frozenset(("method", "property", "tfl", "F"))
+_BINDINGS: frozenset[str] = frozenset(("method", "property", "tfl", "F", "nn"))
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -79,6 +80,8 @@ class Entry:
     @property
     def torch(self) -> str:
         """The PyTorch name this entry means: ``torch.<name>``, ``torch.Tensor.<name>`` or ``torch.nn.functional.<name>``."""
+        if "nn" in self.bind:
+            return f"torch.nn.{self.name}"
         if "tfl" in self.bind:
             return f"torch.{self.name}"
         if "F" in self.bind:
@@ -163,7 +166,7 @@ def bind_methods(cls: type) -> None:
 
 def markdown_table(binding: Binding) -> str:
     """The docs' table of the entries bound as ``binding``: name, PyTorch signature, how it records, notes."""
-    prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F."}[binding]
+    prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F.", "nn": "nn."}[binding]
     rows = ["| name | signature | records | notes |", "|---|---|---|---|"]
     for n, e in entries(binding).items():
         params = list(e.signature.parameters.values())[1 if binding in ("method", "property") else 0 :]
