@@ -137,6 +137,13 @@ def test_var_and_std_are_unbiased_by_default():
         (lambda x: tfl.cat([x, x], dim=-1), lambda t: torch.cat([t, t], dim=-1)),
         (lambda x: tfl.where(x > 2, x, 0.0), lambda t: torch.where(t > 2, t, 0.0)),
         (lambda x: tfl.einsum("ij,kj->ik", x, x), lambda t: torch.einsum("ij,kj->ik", t, t)),
+        (lambda x: x[None].squeeze(()), lambda t: t[None].squeeze(())),  # an empty dim list squeezes nothing
+        (lambda x: tfl.cat([jnp.zeros(0, jnp.float32), x], dim=1), lambda t: torch.cat([torch.zeros(0), t], dim=1)),
+        (  # an integer bound promotes with the float input
+            lambda x: x.clamp(jnp.array([1, 2, 1], jnp.int32), jnp.array([2, 2, 3], jnp.int32)),
+            lambda t: t.clamp(torch.tensor([1, 2, 1], dtype=torch.int32), torch.tensor([2, 2, 3], dtype=torch.int32)),
+        ),
+        (lambda x: x[:, :0].log_softmax(1), lambda t: t[:, :0].log_softmax(1)),
     ],
 )
 def test_silent_differences_match_torch(ours, theirs):

@@ -38,7 +38,7 @@ from .._ops._shape import normalize_index
 from . import _numpy
 from ._extend import lift
 from ._surface import torch_entry
-from ._tensor import Operand, Tensor, TensorOps, apply, current_session, host_value, session_of
+from ._tensor import Operand, Tensor, TensorOps, apply, current_session, host_value, promote, session_of
 
 __all__ = [
     "ValuesIndices",
@@ -351,7 +351,10 @@ def squeeze(input: Operand, dim: Dims | None = None, *, axis: Dims | None = None
     ((3,), (1, 3))
     """
     shape = _shape(input)
-    dims = _dims("squeeze", _alias("squeeze", dim, None, axis, ("dim", "axis")), len(shape))  # type: ignore[arg-type]
+    named = _alias("squeeze", dim, None, axis, ("dim", "axis"))
+    if isinstance(named, (tuple, list)) and not named:  # PyTorch: an empty dim list names no dimension to squeeze
+        return apply("reshape", input, shape=shape)
+    dims = _dims("squeeze", named, len(shape))  # type: ignore[arg-type]
     dims = tuple(range(len(shape))) if dims is None else dims
     ones = tuple(d for d in dims if shape[d] == 1)
     if not ones:
@@ -689,6 +692,9 @@ def gather(input: Operand, dim: int, index: Operand, *, sparse_grad: builtins.bo
     shape, ishape = _shape(input), _shape(index)
     if not np.issubdtype(_dtype_of(index), np.integer):
         raise RuntimeError(f"gather: index must be an integer tensor, got {_dtype_of(index)}")
+    if not math.prod(ishape):  # PyTorch checks no shapes for an empty index: the result is empty, shaped as it
+        flat = apply("reshape", input, shape=(-1,))
+        return apply("reshape", apply("index", flat, index=(slice(0, 0),)), shape=ishape)
     if len(ishape) != len(shape) and not (len(shape) <= 1 and len(ishape) <= 1):
         raise RuntimeError(f"gather: index of shape {ishape} must have the input's {len(shape)} dimensions ({shape})")
     if not shape:  # a 0-d input: every index is 0, and picks the one value
@@ -725,6 +731,13 @@ def scatter_add(input: Operand, dim: int, index: Operand, src: Operand) -> Tenso
     shape, ishape, sshape = _shape(input), _shape(index), _shape(src)
     if len(ishape) != len(shape) or len(sshape) != len(shape):
         raise RuntimeError(f"scatter_add: input {shape}, index {ishape} and src {sshape} need as many dimensions")
+    if not shape:  # 0-d operands: the one index names the one position; scatter as 1-d, then drop the dimension
+        _dim("scatter_add", dim, 1)
+        one = [
+            apply("reshape", v, shape=(1,)) if isinstance(v, TensorOps) else jnp.asarray(v).reshape(1)
+            for v in (input, index, src)
+        ]
+        return apply("reshape", _scatter_add(*one, dim=0), shape=())
     d = _dim("scatter_add", dim, len(shape))
     if builtins.any(i > s for i, s in zip(ishape, sshape)) or builtins.any(
         i > s for k, (i, s) in enumerate(zip(ishape, shape)) if k != d
@@ -908,7 +921,9 @@ def _div_rounded_jax(x: Array, y: Array, *, mode: str) -> Array:
     dt = jnp.result_type(x, y)
     x, y = x.astype(dt), y.astype(dt)
     if jnp.issubdtype(dt, jnp.integer):
-        return jnp.floor_divide(x, y) if mode == "floor" else jax.lax.div(x, y)  # lax.div truncates integers
+        if mode == "floor":
+            return jnp.floor_divide(x, y)
+        return jax.lax.div(*jnp.broadcast_arrays(x, y))  # lax.div truncates integers, and broadcasts nothing
     return jnp.floor(x / y) if mode == "floor" else jnp.trunc(x / y)
 
 
@@ -1036,12 +1051,10 @@ sin = torch_entry("sin", records="op:sin")(_unary("sin", "sin", "The sine elemen
 cos = torch_entry("cos", records="op:cos")(
     _unary("cos", "cos", "The cosine elementwise.", "[0.0, 1.0]", "[1.0, 0.5403]")
 )
-tanh = torch_entry("tanh", bind=("method", "tfl", "F"), records="op:tanh", opinfo=("tanh", "nn.functional.tanh"))(
+tanh = torch_entry("tanh", bind=("method", "tfl", "F"), records="op:tanh", opinfo=("tanh",))(
     _unary("tanh", "tanh", "The hyperbolic tangent elementwise.", "[0.0, 1.0]", "[0.0, 0.7616]")
 )
-sigmoid = torch_entry(
-    "sigmoid", bind=("method", "tfl", "F"), records="op:sigmoid", opinfo=("sigmoid", "nn.functional.sigmoid")
-)(
+sigmoid = torch_entry("sigmoid", bind=("method", "tfl", "F"), records="op:sigmoid", opinfo=("sigmoid",))(
     _unary(
         "sigmoid",
         "sigmoid",
@@ -1195,9 +1208,7 @@ def _softmax_dim(op: str, dim: int | None, axis: int | None, ndim: int) -> int |
     return None if ndim == 0 else _dim(op, d, ndim)  # type: ignore[arg-type]
 
 
-@torch_entry(
-    bind=("method", "tfl", "F"), records="op:softmax", opinfo=("softmax", "softmax.with_dtype", "nn.functional.softmax")
-)
+@torch_entry(bind=("method", "tfl", "F"), records="op:softmax", opinfo=("softmax", "softmax.with_dtype"))
 def softmax(
     input: Operand,
     dim: int | None = None,
@@ -1217,13 +1228,15 @@ def softmax(
     d = _softmax_dim("softmax", dim, axis, len(_shape(input)))
     if d is None:
         return apply("div", apply("exp", apply("sub", x, x)), 1.0)  # 0-d: exp(0) = 1, with a gradient path
+    if not math.prod(_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
+        return apply("reshape", x, shape=_shape(input))
     return apply("softmax", x, axis=d)
 
 
 @torch_entry(
     bind=("method", "tfl", "F"),
     records="op:log_softmax",
-    opinfo=("log_softmax", "log_softmax.with_dtype", "nn.functional.log_softmax"),
+    opinfo=("log_softmax", "log_softmax.with_dtype"),
 )
 def log_softmax(
     input: Operand,
@@ -1244,6 +1257,8 @@ def log_softmax(
     d = _softmax_dim("log_softmax", dim, axis, len(_shape(input)))
     if d is None:
         return apply("sub", x, x)
+    if not math.prod(_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
+        return apply("reshape", x, shape=_shape(input))
     return apply("log_softmax", x, axis=d)
 
 
@@ -1264,11 +1279,15 @@ def clamp(input: Operand, min: float | Operand | None = None, max: float | Opera
         if lo is not None and hi is not None and cast(float, lo) > cast(float, hi):  # PyTorch: all become max
             return apply("add", apply("mul", input, 0.0), cast(float, hi))
         return apply("clamp", input, lo=lo, hi=hi)
-    out: Operand = input
+    # PyTorch's result dtype is that of input and the bounds together (an int32 bound on a float32 input: float32)
+    bounds = tuple(v for v in (lo, hi) if v is not None)
+    out, *given = promote((input, *bounds))
+    lo = given.pop(0) if lo is not None else None
+    hi = given.pop(0) if hi is not None else None
     if lo is not None:
-        out = apply("where", apply("lt", out, lo), _cast(lo, _dtype_of(input)), out)
+        out = apply("where", apply("lt", out, lo), lo, out)
     if hi is not None:
-        out = apply("where", apply("gt", out, hi), _cast(hi, _dtype_of(input)), out)
+        out = apply("where", apply("gt", out, hi), hi, out)
     return out if isinstance(out, Tensor) else apply("reshape", out, shape=_shape(out))
 
 
@@ -1919,7 +1938,7 @@ def to(input: TensorOps, *args: object, **kwargs: object) -> Operand:
     return input if dtype is None else _cast(input, dtype)
 
 
-@torch_entry(bind=("method",), records="op:astype")
+@torch_entry(bind=("method",), records="op:astype", opinfo=())
 def type_as(input: TensorOps, other: TensorOps) -> Operand:
     """``input`` cast to ``other``'s dtype.
 
@@ -1931,7 +1950,7 @@ def type_as(input: TensorOps, other: TensorOps) -> Operand:
     return _cast(input, other.dtype)  # type: ignore[attr-defined]
 
 
-@torch_entry(bind=("method",), records="ops:")
+@torch_entry(bind=("method",), records="ops:", opinfo=())
 def cpu(input: TensorOps, memory_format: object = None) -> TensorOps:
     """``input`` itself: a session holds its values on its device, and ``numpy()`` / ``item()`` read them to the host.
 
@@ -1943,7 +1962,7 @@ def cpu(input: TensorOps, memory_format: object = None) -> TensorOps:
     return input
 
 
-@torch_entry(bind=("method",), records="host")
+@torch_entry(bind=("method",), records="host", opinfo=())
 def detach(input: TensorOps) -> Tensor:
     """A new leaf holding this value, cut off from the recording's gradients.
 
@@ -1977,7 +1996,7 @@ def item(input: TensorOps) -> builtins.int | builtins.float | builtins.bool:
     return out
 
 
-@torch_entry(bind=("method",), records="host")
+@torch_entry(bind=("method",), records="host", opinfo=())
 def tolist(input: TensorOps) -> object:
     """The value as nested Python lists (a number for a 0-d tensor).
 
@@ -1989,7 +2008,7 @@ def tolist(input: TensorOps) -> object:
     return host_value(input, "tolist()").tolist()
 
 
-@torch_entry(bind=("method",), records="host")
+@torch_entry(bind=("method",), records="host", opinfo=())
 def numpy(input: TensorOps, *, force: builtins.bool = False) -> np.ndarray:
     """The value as a NumPy array on the host.
 
@@ -2103,7 +2122,10 @@ def cat(tensors: Sequence[Operand], dim: int = 0, *, axis: int | None = None) ->
     if not ts:
         raise RuntimeError("cat: expects a non-empty list of tensors")
     n = builtins.max(len(_shape(t)) for t in ts)
-    return apply("concat", *_promote(ts), axis=_dim("cat", d, n))  # type: ignore[arg-type]
+    ts = _promote(ts)
+    if n > 1:  # PyTorch's legacy rule: an empty 1-d tensor joins tensors of any rank by being skipped
+        ts = [t for t in ts if _shape(t) != (0,)]
+    return apply("concat", *ts, axis=_dim("cat", d, n))  # type: ignore[arg-type]
 
 
 concat = cat
