@@ -232,7 +232,7 @@ def promote(operands: tuple[Operand, ...]) -> tuple[Operand, ...]:
     >>> with tfl.Session() as s:
     ...     i, f = s.input(jnp.arange(2)), s.input(jnp.ones(2, jnp.float16))
     ...     [o.dtype.name if hasattr(o, "dtype") else o for o in promote((i, f, 2))]
-    ['float16', 'float16', 2]
+    ['float16', 'float16', 2.0]
     """
     if len(operands) == 2:  # the common cases first: two tensors of one dtype, a tensor and a number of its kind
         a, b = operands

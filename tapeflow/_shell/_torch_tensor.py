@@ -38,7 +38,18 @@ from .._ops._shape import normalize_index
 from . import _numpy
 from ._extend import lift
 from ._surface import torch_entry
-from ._tensor import Operand, Tensor, TensorOps, apply, current_session, host_value, promote, session_of
+from ._tensor import (
+    Operand,
+    Tensor,
+    TensorOps,
+    apply,
+    current_session,
+    host_value,
+    promote,
+    promoted_div,
+    promoted_pow,
+    session_of,
+)
 
 __all__ = [
     "ValuesIndices",
@@ -890,6 +901,7 @@ def add(input: Operand, other: Operand, *, alpha: float = 1) -> Tensor:
     ...     s.input(jnp.ones(2)).add(jnp.ones(2), alpha=3).tolist()
     [4.0, 4.0]
     """
+    input, other = promote((input, other))
     return apply("add", input, other if alpha == 1 else apply("mul", other, _scale(other, alpha)))
 
 
@@ -902,6 +914,7 @@ def sub(input: Operand, other: Operand, *, alpha: float = 1) -> Tensor:
     ...     s.input(jnp.ones(2)).sub(jnp.ones(2), alpha=3).tolist()
     [-2.0, -2.0]
     """
+    input, other = promote((input, other))
     return apply("sub", input, other if alpha == 1 else apply("mul", other, _scale(other, alpha)))
 
 
@@ -914,7 +927,7 @@ def mul(input: Operand, other: Operand) -> Tensor:
     ...     s.input(jnp.ones(2)).mul(3.0).tolist()
     [3.0, 3.0]
     """
-    return apply("mul", input, other)
+    return apply("mul", *promote((input, other)))
 
 
 def _div_rounded_jax(x: Array, y: Array, *, mode: str) -> Array:
@@ -941,9 +954,7 @@ def div(input: Operand, other: Operand, *, rounding_mode: str | None = None) -> 
     ([-3.5, 3.5], [-4.0, 3.0])
     """
     if rounding_mode is None:
-        if not _is_float(input) and not _is_float(other):
-            input = _floating(input)
-        return apply("div", input, other)
+        return promoted_div(input, other)
     if rounding_mode not in ("trunc", "floor"):
         raise ValueError(f"div: rounding_mode={rounding_mode!r} must be None, 'trunc' or 'floor'")
     if not isinstance(input, TensorOps) and not isinstance(other, TensorOps):
@@ -996,7 +1007,7 @@ def pow(input: Operand, exponent: Operand) -> Tensor:
     ...     s.input(jnp.array([2.0, 3.0])).pow(2).tolist()
     [4.0, 9.0]
     """
-    return apply("pow", input, exponent)
+    return promoted_pow(input, exponent)
 
 
 @torch_entry(records="op:neg")
@@ -1158,7 +1169,7 @@ def maximum(input: Operand, other: Operand) -> Tensor:
     ...     s.input(jnp.array([1.0, 5.0])).maximum(jnp.array([3.0, 3.0])).tolist()
     [3.0, 5.0]
     """
-    return apply("maximum", input, other)
+    return apply("maximum", *promote((input, other)))
 
 
 @torch_entry(records="op:minimum")
@@ -1170,12 +1181,12 @@ def minimum(input: Operand, other: Operand) -> Tensor:
     ...     s.input(jnp.array([1.0, 5.0])).minimum(jnp.array([3.0, 3.0])).tolist()
     [1.0, 3.0]
     """
-    return apply("minimum", input, other)
+    return apply("minimum", *promote((input, other)))
 
 
 def _compare(name: str, symbol: str) -> Callable[[Operand, Operand], Tensor]:
     def fn(input: Operand, other: Operand) -> Tensor:
-        return apply(name, input, other)
+        return apply(name, *promote((input, other)))
 
     fn.__name__ = fn.__qualname__ = name
     fn.__module__ = __name__
@@ -2171,7 +2182,7 @@ def where(condition: Operand, input: Operand | None = None, other: Operand | Non
             "where(condition) is nonzero(condition): its shape depends on the values, which a tape cannot record; "
             "use tfl.where(condition, input, other), or read the positions with np.nonzero(condition.numpy())"
         )
-    return apply("where", condition, input, other)
+    return apply("where", condition, *promote((input, other)))
 
 
 @torch_entry(records="ops:reshape,take")
