@@ -479,3 +479,17 @@ def test_summary_counts_buffers_once():
     sm = nn.summary(net, np.ones((2, 3), np.float32))
     assert sm.total_params == 3 * 4 + 4 + 4 + 4 + 4 + 4 + 1
     assert sm.trainable_params == 3 * 4 + 4 + 4 + 4
+
+
+def test_every_torch_nn_namesake_is_a_module_entry_of_the_surface_table():
+    import inspect
+
+    import torch
+
+    from tapeflow._shell._surface import SURFACE
+
+    namesakes = [n for n in tfl.nn.__all__ if inspect.isclass(getattr(tfl.nn, n, None)) and hasattr(torch.nn, n)]
+    assert "Linear" in namesakes and "MaxPool2d" in namesakes
+    missing = [n for n in namesakes if n not in SURFACE or SURFACE[n].bind != {"nn"}]
+    assert not missing, f"tfl.nn classes PyTorch also has, with no records='module' entry: {missing}"
+    assert all(SURFACE[n].records == "module" and SURFACE[n].fn is getattr(tfl.nn, n) for n in namesakes)

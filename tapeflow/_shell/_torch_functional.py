@@ -128,6 +128,15 @@ def _unbatched(y: Tensor, added: bool) -> Tensor:
     return apply("squeeze", y, axis=0) if added else y
 
 
+# PyTorch CPU computes these in int64; tapeflow's ops are float-only and int32 (no x64) would wrap where int64 does not
+_INT_CONV = "integer convolution: the conv ops take floating inputs only; cast the input and weight to float"
+_INT_MATMUL = "integer linear: the linear_t op takes floating inputs only; cast the input and weight to float"
+_INT_AVG = (
+    "integer average pooling: PyTorch truncates each window's mean toward zero in the input's integer dtype; "
+    "tapeflow pools floats only, cast to float (and back with .long() for PyTorch's truncation)"
+)
+
+
 def _float_input(op: str, x: Operand, what: str = "input") -> None:
     if not _is_float(x):
         raise TapeError(f"{op}: {what} has dtype {_dtype(x)}, expected a floating dtype; cast it with .float()")
@@ -136,7 +145,12 @@ def _float_input(op: str, x: Operand, what: str = "input") -> None:
 # --------------------------------------------------------------------------- linear
 
 
-@torch_entry(bind=("tfl", "F"), records="op:linear_t", opinfo=("nn.functional.linear",))
+@torch_entry(
+    bind=("tfl", "F"),
+    records="op:linear_t",
+    opinfo=("nn.functional.linear",),
+    gaps={"int64[": _INT_MATMUL},
+)
 def linear(input: Operand, weight: Operand, bias: Operand | None = None) -> Tensor:
     """``input @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``.
 
@@ -190,7 +204,7 @@ def _conv_weight_check(op: str, x: Operand, weight: Operand, spatial: int, group
         )
 
 
-@torch_entry(bind=("F",), records="op:conv2d", opinfo=("nn.functional.conv1d",))
+@torch_entry(bind=("F",), records="op:conv2d", opinfo=("nn.functional.conv1d",), gaps={"int64[": _INT_CONV})
 def conv1d(
     input: Operand,
     weight: Operand,
@@ -210,6 +224,7 @@ def conv1d(
     [6.0, 6.0]
     """
     _conv_weight_check("conv1d", input, weight, 1, groups)
+    _float_input("conv1d", input)
     (k,) = _shape(weight)[2:]
     st = _ints("conv1d", "stride", stride, 1, 1)
     dl = _ints("conv1d", "dilation", dilation, 1, 1)
@@ -222,7 +237,7 @@ def conv1d(
     return _unbatched(apply("squeeze", y, axis=2), added)
 
 
-@torch_entry(bind=("tfl", "F"), records="op:conv2d", opinfo=("nn.functional.conv2d",))
+@torch_entry(bind=("tfl", "F"), records="op:conv2d", opinfo=("nn.functional.conv2d",), gaps={"int64[": _INT_CONV})
 def conv2d(
     input: Operand,
     weight: Operand,
@@ -244,6 +259,7 @@ def conv2d(
     (1, 6, 5, 5)
     """
     _conv_weight_check("conv2d", input, weight, 2, groups)
+    _float_input("conv2d", input)
     k = _shape(weight)[2:]
     st = _ints("conv2d", "stride", stride, 2, 1)
     dl = _ints("conv2d", "dilation", dilation, 2, 1)
@@ -278,7 +294,7 @@ _transposed_weight_op = lift(
 )
 
 
-@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.conv_transpose2d",))
+@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.conv_transpose2d",), gaps={"int64[": _INT_CONV})
 def conv_transpose2d(
     input: Operand,
     weight: Operand,
@@ -364,8 +380,15 @@ def _pool_out(op: str, size: Shape, k: Shape, st: Shape, pd: Shape, dl: Shape, c
     return tuple(out)
 
 
+def _lowest(dtype: np.dtype) -> np.ndarray:
+    """The padding no entry is below: ``-inf``, or an integer dtype's minimum (PyTorch max-pools integers too)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.array(-np.inf, dtype)
+    return np.array(jnp.iinfo(dtype).min, dtype)
+
+
 def _max_pool(x: Array, *, window: Shape, strides: Shape, pads: tuple[tuple[int, int], ...], dilation: Shape) -> Array:
-    init = np.array(-np.inf, x.dtype)  # a concrete init value lets JAX differentiate the max window
+    init = _lowest(x.dtype)  # a concrete init value lets JAX differentiate the max window
     full = ((0, 0), (0, 0)) + pads
     if all(d == 1 for d in dilation):
         return jax.lax.reduce_window(x, init, jax.lax.max, (1, 1) + window, (1, 1) + strides, full)
@@ -380,6 +403,26 @@ def _max_pool(x: Array, *, window: Shape, strides: Shape, pads: tuple[tuple[int,
     stacked = jnp.stack(taps)
     first = jnp.argmax(stacked, axis=0)
     return jnp.take_along_axis(stacked, first[None], axis=0)[0]
+
+
+def _max_pool_indices(
+    x: Array, *, window: Shape, strides: Shape, pads: tuple[tuple[int, int], ...], dilation: Shape
+) -> Array:
+    """Where each window's (first) maximum sits, as an index into the flattened spatial dims of the unpadded input."""
+    spatial = x.shape[2:]
+    where = jnp.arange(math.prod(spatial), dtype=jnp.int32).reshape(spatial)
+    full = tuple((lo, hi, 0) for lo, hi in pads)
+    xp = jax.lax.pad(x, _lowest(x.dtype), ((0, 0, 0), (0, 0, 0)) + full)
+    wp = jax.lax.pad(where, np.int32(-1), full)
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(xp.shape[2:], window, strides, dilation)]
+    values, places = [], []
+    for offs in np.ndindex(*window):
+        start = tuple(o * d for o, d in zip(offs, dilation))
+        stop = tuple(b + (m - 1) * s + 1 for b, m, s in zip(start, out, strides))
+        values.append(jax.lax.slice(xp, (0, 0) + start, xp.shape[:2] + stop, (1, 1) + strides))
+        places.append(jax.lax.slice(wp, start, stop, strides))
+    first = jnp.argmax(jnp.stack(values), axis=0)  # NaN counts as the maximum, as PyTorch's
+    return jnp.take_along_axis(jnp.stack(places)[:, None, None], first[None], axis=0)[0]
 
 
 def _avg_pool(
@@ -416,6 +459,11 @@ def _avg_pool(
 _max_pool_op = lift(
     _max_pool, name="torch.nn.functional.max_pool", static_argnames=("window", "strides", "pads", "dilation")
 )
+_max_pool_indices_op = lift(
+    _max_pool_indices,
+    name="torch.nn.functional.max_pool.indices",
+    static_argnames=("window", "strides", "pads", "dilation"),
+)
 _avg_pool_op = lift(
     _avg_pool,
     name="torch.nn.functional.avg_pool",
@@ -433,28 +481,30 @@ def _max_pool_nd(
     dilation: IntOrTuple,
     ceil_mode: bool,
     return_indices: bool,
-) -> Tensor:
-    if return_indices:
-        raise NotImplementedError(
-            f"{op}: return_indices=True is not supported (tapeflow has no max_unpool); "
-            "take the argmax of unfolded windows if you need the positions"
-        )
+) -> Tensor | tuple[Tensor, Tensor]:
     k, st, pd, dl = _pool_args(op, n, kernel_size, stride, padding, dilation)
     x, added = _batched(op, input, n)
-    _float_input(op, x)
+    if _dtype(x) == np.bool_:
+        raise TapeError(f"{op}: input has dtype bool; cast it to a number first, e.g. with .float()")
     size = _shape(x)[2:]
     out = _pool_out(op, size, k, st, pd, dl, bool(ceil_mode))
     if n == 1:
         x = apply("expand_dims", x, axis=2)
         k, st, pd, dl, size, out = (1, *k), (1, *st), (0, *pd), (1, *dl), (1, *size), (1, *out)
-    if all(d == 1 for d in dl) and out == tuple((m + 2 * p - kk) // s + 1 for m, p, kk, s in zip(size, pd, k, st)):
+    hi = tuple((o - 1) * s + d * (kk - 1) + 1 - m - p for o, s, d, kk, m, p in zip(out, st, dl, k, size, pd))
+    plain = out == tuple((m + 2 * p - kk) // s + 1 for m, p, kk, s in zip(size, pd, k, st))
+    if _is_float(x) and all(d == 1 for d in dl) and plain:  # the built-in op pools floats only
         y = apply("max_pool2d", x, kernel_size=k, stride=st, padding=pd)
     else:
-        hi = tuple((o - 1) * s + d * (kk - 1) + 1 - m - p for o, s, d, kk, m, p in zip(out, st, dl, k, size, pd))
         y = _max_pool_op(x, window=k, strides=st, pads=tuple(zip(pd, hi)), dilation=dl)
     if n == 1:
         y = apply("squeeze", y, axis=2)
-    return _unbatched(y, added)
+    if not return_indices:
+        return _unbatched(y, added)
+    i = _max_pool_indices_op(x, window=k, strides=st, pads=tuple(zip(pd, hi)), dilation=dl)
+    if n == 1:
+        i = apply("squeeze", i, axis=2)
+    return _unbatched(y, added), _unbatched(i, added)
 
 
 @torch_entry(bind=("F",), records="op:max_pool2d", opinfo=("nn.functional.max_pool1d",))
@@ -466,8 +516,11 @@ def max_pool1d(
     dilation: IntOrTuple = 1,
     ceil_mode: bool = False,
     return_indices: bool = False,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Max over windows of ``input`` (N, C, L) or (C, L); ``stride`` defaults to ``kernel_size``.
+
+    ``return_indices=True`` returns ``(values, indices)``: each maximum's index
+    into the input's flattened spatial dims (int32; PyTorch's is int64).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
@@ -488,10 +541,13 @@ def max_pool2d(
     dilation: IntOrTuple = 1,
     ceil_mode: bool = False,
     return_indices: bool = False,
-) -> Tensor:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Max over windows of ``input`` (N, C, H, W) or (C, H, W); ``stride`` defaults to ``kernel_size``.
 
-    Padding is ``-inf``. ``return_indices=True`` is refused. The built-in
+    ``return_indices=True`` returns ``(values, indices)``: each maximum's index
+    into the input's flattened spatial dims (int32; PyTorch's is int64).
+
+    Padding is ``-inf``. The built-in
     ``max_pool2d`` op records the plain cases, a lifted window reduction the
     ones with ``dilation`` or ``ceil_mode``.
 
@@ -542,7 +598,7 @@ def _avg_pool_nd(
     return _unbatched(y, added)
 
 
-@torch_entry(bind=("F",), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool1d",))
+@torch_entry(bind=("F",), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool1d",), gaps={"int64[": _INT_AVG})
 def avg_pool1d(
     input: Operand,
     kernel_size: IntOrTuple,
@@ -562,7 +618,9 @@ def avg_pool1d(
     return _avg_pool_nd("avg_pool1d", 1, input, kernel_size, stride, padding, ceil_mode, count_include_pad, None)
 
 
-@torch_entry(bind=("tfl", "F"), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool2d",))
+@torch_entry(
+    bind=("tfl", "F"), records="op:avg_pool2d", opinfo=("nn.functional.avg_pool2d",), gaps={"int64[": _INT_AVG}
+)
 def avg_pool2d(
     input: Operand,
     kernel_size: IntOrTuple,
@@ -703,6 +761,17 @@ def embedding(
     return apply("where", pad, apply("stop_gradient", rows), rows)
 
 
+def _standardize(x: Array, *, axes: tuple[int, ...], eps: float) -> Array:
+    """``(x - mean) / sqrt(var + eps)`` over ``axes`` (biased variance), for any ``eps``: PyTorch takes a negative one."""
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + jnp.asarray(eps, x.dtype))
+
+
+# the built-in layer_norm op refuses a negative eps; this one records the same formula for it
+_standardize_op = lift(_standardize, name="torch.nn.functional.layer_norm.any_eps", static_argnames=("axes", "eps"))
+
+
 def _normalized_axes(op: str, input: Operand, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     ns = (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
     xs = _shape(input)
@@ -729,6 +798,10 @@ def layer_norm(
     """
     axes = _normalized_axes("layer_norm", input, normalized_shape)
     axis = axes[0] if len(axes) == 1 else axes
+    if float(eps) < 0:
+        y = _standardize_op(input, axes=axes, eps=float(eps))
+        y = y if weight is None else apply("mul", y, weight)
+        return y if bias is None else apply("add", y, bias)
     if weight is None:
         y = apply("layer_norm", input, axis=axis, eps=float(eps))
         return y if bias is None else apply("add", y, bias)
@@ -753,8 +826,13 @@ def group_norm(
     if len(xs) < 2 or not isinstance(num_groups, int) or num_groups < 1 or xs[1] % num_groups:
         raise ValueError(f"group_norm: input {xs} must be (N, C, *) with C divisible by num_groups={num_groups!r}")
     _float_input("group_norm", input)
-    y = apply("reshape", input, shape=(xs[0], num_groups, -1))
-    y = apply("reshape", apply("layer_norm", y, axis=-1, eps=float(eps)), shape=xs)
+    # the group size is spelled out: -1 is ambiguous for an empty batch
+    y = apply("reshape", input, shape=(xs[0], num_groups, math.prod(xs[1:]) // num_groups))
+    if float(eps) < 0:
+        y = _standardize_op(y, axes=(-1,), eps=float(eps))
+    else:
+        y = apply("layer_norm", y, axis=-1, eps=float(eps))
+    y = apply("reshape", y, shape=xs)
     per_channel = (xs[1],) + (1,) * (len(xs) - 2)
     if weight is not None:
         y = apply("mul", y, apply("reshape", weight, shape=per_channel))
@@ -902,6 +980,8 @@ def relu(input: Operand, inplace: bool = False) -> Tensor:
     ...     tfl.relu(s.input(jnp.array([-1.0, 2.0]))).tolist()
     [0.0, 2.0]
     """
+    if not _is_float(input):  # PyTorch clamps integers too; they carry no gradient
+        return apply("maximum", input, np.zeros((), _dtype(input)))
     return apply("relu", input)
 
 
@@ -1094,6 +1174,9 @@ def normalize(input: Operand, p: float = 2.0, dim: int = 1, eps: float = 1e-12, 
         raise TypeError("normalize: out= is not supported (tensors are values); use the returned tensor")
     _float_input("normalize", input)
     d = _axis("normalize", dim, len(_shape(input)))
+    if not _shape(input):  # PyTorch reads a 0-d input as one vector of one entry
+        y = _normalize_op(apply("reshape", input, shape=(1,)), p=float(p), dim=0, eps=float(eps))
+        return apply("reshape", y, shape=())
     return _normalize_op(input, p=float(p), dim=d, eps=float(eps))
 
 
@@ -1112,10 +1195,20 @@ def cosine_similarity(x1: Operand, x2: Operand, dim: int = 1, eps: float = 1e-8)
     _float_input("cosine_similarity", x2, "x2")
     shape = np.broadcast_shapes(_shape(x1), _shape(x2))
     d = _axis("cosine_similarity", dim, len(shape))
+    if not shape:  # PyTorch reads 0-d inputs as vectors of one entry
+        one = [apply("reshape", x, shape=(1,)) for x in (x1, x2)]
+        return apply("reshape", _cosine_similarity_op(*one, dim=0, eps=float(eps)), shape=())
     return _cosine_similarity_op(x1, x2, dim=d, eps=float(eps))
 
 
 def _pad(x: Array, *, widths: tuple[tuple[int, int], ...], mode: str, value: float) -> Array:
+    if mode == "circular":  # PyTorch crops by the negative pads first, then wraps the cropped dim
+        for ax, ((lo, hi), m) in enumerate(zip(widths, x.shape)):
+            start, stop = builtins.max(-lo, 0), m - builtins.max(-hi, 0)
+            lo, hi = builtins.max(lo, 0), builtins.max(hi, 0)
+            if (start, stop, lo, hi) != (0, m, 0, 0):
+                x = jnp.take(x, start + (np.arange(stop - start + lo + hi) - lo) % (stop - start), axis=ax)
+        return x
     if mode == "constant":
         return jax.lax.pad(x, jnp.asarray(value, x.dtype), tuple((lo, hi, 0) for lo, hi in widths))
     return jnp.pad(x, widths, mode={"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[mode])
@@ -1124,7 +1217,16 @@ def _pad(x: Array, *, widths: tuple[tuple[int, int], ...], mode: str, value: flo
 _pad_op = lift(_pad, name="torch.nn.functional.pad", static_argnames=("widths", "mode", "value"))
 
 
-@torch_entry(bind=("F",), records="lifted", opinfo=("nn.functional.pad",))
+@torch_entry(
+    bind=("F",),
+    records="lifted",
+    opinfo=(
+        "nn.functional.pad.constant",
+        "nn.functional.pad.reflect",
+        "nn.functional.pad.replicate",
+        "nn.functional.pad.circular",
+    ),
+)
 def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float | None = None) -> Tensor:
     """Pad the last ``len(pad) // 2`` dims: ``pad`` is ``(left, right)`` of the last dim, then of the one before, ...
 
@@ -1162,8 +1264,10 @@ def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float
             f"pad={tuple(pad)} does not fit an input of shape {xs}"
         )
     for (lo, hi), m in zip(widths[len(xs) - n :], xs[len(xs) - n :]):
-        if lo < 0 or hi < 0:
+        if (lo < 0 or hi < 0) and mode != "circular":
             raise NotImplementedError(f'pad: mode "{mode}" with negative pads is not supported; crop by indexing')
+        if m + lo + hi < 1:
+            raise ValueError(f"pad: pad={tuple(pad)} crops more than the input {xs} holds")
         limit = m - 1 if mode == "reflect" else m if mode == "circular" else None
         if limit is not None and builtins.max(lo, hi) > limit:
             raise ValueError(
@@ -1222,6 +1326,7 @@ _interpolate_op = lift(_interpolate, name="torch.nn.functional.interpolate", sta
         "nn.functional.interpolate.nearest",
         "nn.functional.interpolate.bilinear",
         "nn.functional.interpolate.linear",
+        "nn.functional.interpolate.trilinear",
     ),
 )
 def interpolate(
@@ -1233,10 +1338,11 @@ def interpolate(
     recompute_scale_factor: bool | None = None,
     antialias: bool = False,
 ) -> Tensor:
-    """Resize ``input`` (N, C, L) or (N, C, H, W) to ``size``, or by ``scale_factor``, as PyTorch's sampling.
+    """Resize ``input`` (N, C, L), (N, C, H, W) or (N, C, D, H, W) to ``size``, or by ``scale_factor``, as PyTorch.
 
     ``mode`` is ``"nearest"``, ``"nearest-exact"``, ``"linear"`` (3-D),
-    ``"bilinear"`` (4-D) or ``"area"`` (adaptive average pooling).
+    ``"bilinear"`` (4-D), ``"trilinear"`` (5-D) or ``"area"`` (adaptive average
+    pooling, 3-D and 4-D inputs).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
@@ -1248,15 +1354,18 @@ def interpolate(
     op = "interpolate"
     xs = _shape(input)
     spatial = len(xs) - 2
-    if spatial not in (1, 2):
-        raise NotImplementedError(f"{op}: input must be (N, C, L) or (N, C, H, W), got shape {xs}")
+    if spatial not in (1, 2, 3):
+        raise NotImplementedError(f"{op}: input must be (N, C, L), (N, C, H, W) or (N, C, D, H, W), got shape {xs}")
     if antialias:
         raise NotImplementedError(f"{op}: antialias=True is not supported")
-    linear_modes = {"linear": 1, "bilinear": 2}
+    linear_modes = {"linear": 1, "bilinear": 2, "trilinear": 3}
     if mode not in ("nearest", "nearest-exact", "area") and mode not in linear_modes:
         raise NotImplementedError(
-            f'{op}: mode={mode!r} is not supported; use "nearest", "nearest-exact", "linear", "bilinear" or "area"'
+            f"{op}: mode={mode!r} is not supported; "
+            'use "nearest", "nearest-exact", "linear", "bilinear", "trilinear" or "area"'
         )
+    if mode == "area" and spatial == 3:
+        raise NotImplementedError(f'{op}: mode "area" on a 5-D input {xs} is not supported (no adaptive_avg_pool3d)')
     if mode in linear_modes and linear_modes[mode] != spatial:
         raise ValueError(f'{op}: mode "{mode}" needs a {linear_modes[mode] + 2}-D input, got shape {xs}')
     if align_corners is not None and mode not in linear_modes:

@@ -6,6 +6,7 @@ function of the same name in :mod:`tapeflow.nn.functional`; none has parameters.
 
 from __future__ import annotations
 
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor
 from . import functional as F
 from ._module import Module
@@ -13,6 +14,7 @@ from ._module import Module
 __all__ = ["ELU", "GELU", "LeakyReLU", "LogSoftmax", "ReLU", "SiLU", "Sigmoid", "Softmax", "Softplus", "Tanh"]
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class ReLU(Module):
     """``max(input, 0)``, as ``torch.nn.ReLU`` (``inplace`` is accepted: tensors are values).
 
@@ -29,6 +31,7 @@ class ReLU(Module):
         return F.relu(input)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class GELU(Module):
     """Gaussian error linear unit, exact (``approximate='none'``) or ``'tanh'``, as ``torch.nn.GELU``.
 
@@ -50,6 +53,7 @@ class GELU(Module):
         return f"approximate={self.approximate!r}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class SiLU(Module):
     """``input * sigmoid(input)``, as ``torch.nn.SiLU``.
 
@@ -66,6 +70,7 @@ class SiLU(Module):
         return F.silu(input)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Tanh(Module):
     """``tanh(input)``, as ``torch.nn.Tanh``.
 
@@ -79,6 +84,7 @@ class Tanh(Module):
         return F.tanh(input)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Sigmoid(Module):
     """``1 / (1 + exp(-input))``, as ``torch.nn.Sigmoid``.
 
@@ -92,6 +98,7 @@ class Sigmoid(Module):
         return F.sigmoid(input)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Softmax(Module):
     """Softmax over ``dim``, as ``torch.nn.Softmax`` (``dim=None``: PyTorch's legacy choice, 0 for 0-/1-/3-D input, else 1).
 
@@ -111,6 +118,7 @@ class Softmax(Module):
         return f"dim={self.dim}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class LogSoftmax(Module):
     """Log-softmax over ``dim``, as ``torch.nn.LogSoftmax``.
 
@@ -130,6 +138,7 @@ class LogSoftmax(Module):
         return f"dim={self.dim}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class LeakyReLU(Module):
     """``input`` where positive, else ``negative_slope * input`` (default 0.01), as ``torch.nn.LeakyReLU``.
 
@@ -150,6 +159,7 @@ class LeakyReLU(Module):
         return f"negative_slope={self.negative_slope}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class ELU(Module):
     """``input`` where positive, else ``alpha * (exp(input) - 1)``, as ``torch.nn.ELU``.
 
@@ -170,6 +180,7 @@ class ELU(Module):
         return f"alpha={self.alpha}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Softplus(Module):
     """``log(1 + exp(beta * input)) / beta``, linear above ``threshold``, as ``torch.nn.Softplus``.
 

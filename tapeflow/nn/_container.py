@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
 from .._shell._params import Param
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand
 from ._module import Module, members
 
@@ -53,6 +54,7 @@ class _Container(Module):
         return len(self._entries)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Sequential(_Container):
     """Apply modules (or plain callables such as ``tfl.relu``) in order, as ``torch.nn.Sequential``.
 
@@ -114,6 +116,7 @@ class Sequential(_Container):
         return self
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class ModuleList(_Container):
     """A list of modules, named ``0``, ``1``, ... as ``torch.nn.ModuleList``; it has no forward.
 
@@ -164,6 +167,7 @@ class ModuleList(_Container):
         self._renumber(mods)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class ModuleDict(_Container):
     """Modules by name, in insertion order, as ``torch.nn.ModuleDict``; it has no forward.
 

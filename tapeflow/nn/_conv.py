@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from .._core._typing import DTypeLike, PRNGKey
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor
 from . import _init as init
 from . import functional as F
@@ -134,6 +135,7 @@ class _ConvNd(Module):
         return s
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Conv1d(_ConvNd):
     """1-D convolution over ``(N, C, L)`` (or unbatched ``(C, L)``) input, as ``torch.nn.Conv1d``.
 
@@ -179,6 +181,7 @@ class Conv1d(_ConvNd):
         return F.conv1d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Conv2d(_ConvNd):
     """2-D convolution over ``(N, C, H, W)`` (or unbatched ``(C, H, W)``) input, as ``torch.nn.Conv2d``.
 
@@ -225,6 +228,7 @@ class Conv2d(_ConvNd):
         return F.conv2d(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class ConvTranspose2d(_ConvNd):
     """Transposed 2-D convolution (the gradient of :class:`Conv2d` with respect to its input), as ``torch.nn.ConvTranspose2d``.
 
@@ -316,7 +320,7 @@ class _MaxPoolNd(Module):
         self.return_indices = bool(return_indices)
         self.ceil_mode = bool(ceil_mode)
 
-    def forward(self, input: Operand) -> Tensor:
+    def forward(self, input: Operand) -> Tensor | tuple[Tensor, Tensor]:
         fn = F.max_pool1d if self._n == 1 else F.max_pool2d
         return fn(
             input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode, self.return_indices
@@ -329,6 +333,7 @@ class _MaxPoolNd(Module):
         )
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class MaxPool1d(_MaxPoolNd):
     """Max over sliding windows of ``(N, C, L)`` input, as ``torch.nn.MaxPool1d`` (``stride`` defaults to ``kernel_size``).
 
@@ -341,6 +346,7 @@ class MaxPool1d(_MaxPoolNd):
     _n = 1
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class MaxPool2d(_MaxPoolNd):
     """Max over sliding windows of ``(N, C, H, W)`` input, as ``torch.nn.MaxPool2d`` (``stride`` defaults to ``kernel_size``).
 
@@ -353,6 +359,7 @@ class MaxPool2d(_MaxPoolNd):
     _n = 2
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class AvgPool1d(Module):
     """Mean over sliding windows of ``(N, C, L)`` input, as ``torch.nn.AvgPool1d``.
 
@@ -383,6 +390,7 @@ class AvgPool1d(Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class AvgPool2d(Module):
     """Mean over sliding windows of ``(N, C, H, W)`` input, as ``torch.nn.AvgPool2d``.
 
@@ -423,6 +431,7 @@ class AvgPool2d(Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class AdaptiveAvgPool1d(Module):
     """Mean pooling of ``(N, C, L)`` input to ``output_size`` positions, as ``torch.nn.AdaptiveAvgPool1d``.
 
@@ -442,6 +451,7 @@ class AdaptiveAvgPool1d(Module):
         return f"output_size={self.output_size}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class AdaptiveAvgPool2d(Module):
     """Mean pooling of ``(N, C, H, W)`` input to ``output_size`` (an int, a pair, None keeps a size), as ``torch.nn.AdaptiveAvgPool2d``.
 
@@ -461,6 +471,7 @@ class AdaptiveAvgPool2d(Module):
         return f"output_size={self.output_size}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Upsample(Module):
     """Resize spatial dimensions by ``size`` or ``scale_factor`` (``'nearest'`` or ``'bilinear'``), as ``torch.nn.Upsample``.
 

@@ -20,6 +20,7 @@ from .._core._result import TapeError
 from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as R
 from .._shell._params import Param, tie
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor
 from . import _init as init
 from . import functional as F
@@ -54,6 +55,7 @@ def fan_in_bound(fan_in: int) -> float:
     return 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Linear(Module):
     """``y = x @ weight.T + bias`` with ``weight`` of shape ``(out_features, in_features)``, as ``torch.nn.Linear``.
 
@@ -127,6 +129,7 @@ class TiedLinear(Module):
         return f"in_features={d}, out_features={n}, tied"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Embedding(Module):
     """Lookup table ``weight[input]`` with ``weight`` of shape ``(num_embeddings, embedding_dim)``, as ``torch.nn.Embedding``.
 
@@ -221,6 +224,7 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Dropout(Module):
     """Inverted dropout with probability ``p`` (default 0.5), as ``torch.nn.Dropout``.
 
@@ -255,6 +259,7 @@ class Dropout(Module):
         return f"p={self.p}, inplace={self.inplace}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Identity(Module):
     """Returns its input unchanged (constructor arguments are accepted and ignored), as ``torch.nn.Identity``.
 
@@ -270,6 +275,7 @@ class Identity(Module):
         return input
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Flatten(Module):
     """``input.flatten(start_dim, end_dim)`` (defaults ``1`` and ``-1``: keep the batch dimension), as ``torch.nn.Flatten``.
 
@@ -299,6 +305,7 @@ class Flatten(Module):
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Unflatten(Module):
     """Split dimension ``dim`` into ``unflattened_size``, as ``torch.nn.Unflatten``.
 

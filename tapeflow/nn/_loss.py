@@ -11,6 +11,7 @@ from __future__ import annotations
 from numpy.typing import ArrayLike
 
 from .._shell._params import Param
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor
 from . import functional as F
 from ._module import Module
@@ -52,6 +53,7 @@ class _Loss(Module):
         return f"reduction={self.reduction!r}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class CrossEntropyLoss(_Loss):
     """Cross entropy of logits ``(N, C, ...)`` against class indices or probabilities, as ``torch.nn.CrossEntropyLoss``.
 
@@ -87,6 +89,7 @@ class CrossEntropyLoss(_Loss):
         )
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class NLLLoss(_Loss):
     """Negative log likelihood of log-probabilities ``(N, C, ...)`` at class indices, as ``torch.nn.NLLLoss``.
 
@@ -112,6 +115,7 @@ class NLLLoss(_Loss):
         return F.nll_loss(input, target, self.weight, ignore_index=self.ignore_index, reduction=self.reduction)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class MSELoss(_Loss):
     """Mean (or summed) squared error, as ``torch.nn.MSELoss``.
 
@@ -125,6 +129,7 @@ class MSELoss(_Loss):
         return F.mse_loss(input, target, reduction=self.reduction)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class L1Loss(_Loss):
     """Mean (or summed) absolute error, as ``torch.nn.L1Loss``.
 
@@ -138,6 +143,7 @@ class L1Loss(_Loss):
         return F.l1_loss(input, target, reduction=self.reduction)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class SmoothL1Loss(_Loss):
     """Squared error below ``beta``, absolute error above it, as ``torch.nn.SmoothL1Loss``.
 
@@ -158,6 +164,7 @@ class SmoothL1Loss(_Loss):
         return F.smooth_l1_loss(input, target, reduction=self.reduction, beta=self.beta)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class HuberLoss(_Loss):
     """Huber loss with threshold ``delta``, as ``torch.nn.HuberLoss``.
 
@@ -176,6 +183,7 @@ class HuberLoss(_Loss):
         return F.huber_loss(input, target, reduction=self.reduction, delta=self.delta)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class BCELoss(_Loss):
     """Binary cross entropy of probabilities, as ``torch.nn.BCELoss``.
 
@@ -199,6 +207,7 @@ class BCELoss(_Loss):
         return F.binary_cross_entropy(input, target, self.weight, reduction=self.reduction)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class BCEWithLogitsLoss(_Loss):
     """Binary cross entropy of logits (sigmoid inside, stably), with ``pos_weight``, as ``torch.nn.BCEWithLogitsLoss``.
 
@@ -227,6 +236,7 @@ class BCEWithLogitsLoss(_Loss):
         )
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class KLDivLoss(_Loss):
     """Kullback-Leibler divergence of log-probabilities ``input`` from ``target``, as ``torch.nn.KLDivLoss``.
 

@@ -32,6 +32,7 @@ from .._core._registry import fmt_spec
 from .._shell import _debug, _render
 from .._shell._params import Param, canonical_indices, tie
 from .._shell._state import note_mode_read
+from .._shell._surface import torch_entry
 from .._shell._tensor import Tensor
 
 __all__ = ["Module", "factory_dtype", "observe_calls", "observing"]
@@ -113,6 +114,7 @@ def members(obj: object, prefix: str) -> Iterator[tuple[str, Param | Module]]:
             yield from members(v, f"{prefix}.{i}")
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class Module:
     """Base class of tapeflow layers: holds Params and sub-Modules as attributes.
 

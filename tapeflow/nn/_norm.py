@@ -31,6 +31,7 @@ from .._core._result import TapeError
 from .._core._typing import DTypeLike
 from .._shell import _functions as R
 from .._shell._params import Param
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor, session_of
 from . import functional as F
 from ._module import Module, factory_dtype
@@ -162,6 +163,7 @@ class _BatchNorm(Module):
         )
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class BatchNorm1d(_BatchNorm):
     """Batch normalization over ``(N, C)`` or ``(N, C, L)`` input, as ``torch.nn.BatchNorm1d``.
 
@@ -187,6 +189,7 @@ class BatchNorm1d(_BatchNorm):
     _layout = "(N, C) or (N, C, L)"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class BatchNorm2d(_BatchNorm):
     """Batch normalization over ``(N, C, H, W)`` input, as ``torch.nn.BatchNorm2d`` (see :class:`BatchNorm1d`).
 
@@ -211,6 +214,7 @@ def _normalized(name: str, shape: int | Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class LayerNorm(Module):
     """Layer normalization over the trailing ``normalized_shape``, as ``torch.nn.LayerNorm``.
 
@@ -250,10 +254,12 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class GroupNorm(Module):
     """Group normalization of ``(N, C, *)`` input over ``num_groups`` channel groups, as ``torch.nn.GroupNorm``.
 
-    ``weight`` (ones) and ``bias`` (zeros) are per channel, ``(num_channels,)``.
+    ``weight`` (ones) and ``bias`` (zeros) are per channel, ``(num_channels,)``;
+    ``bias=False`` keeps the weight and drops the bias (both need ``affine``).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> gn = tfl.nn.GroupNorm(2, 4)
@@ -270,6 +276,8 @@ class GroupNorm(Module):
         affine: bool = True,
         device: object = None,
         dtype: DTypeLike | None = None,
+        *,
+        bias: bool = True,
     ) -> None:
         dt = factory_dtype(device, dtype, "GroupNorm")
         self.num_groups, self.num_channels = int(num_groups), int(num_channels)
@@ -281,7 +289,7 @@ class GroupNorm(Module):
         self.affine = bool(affine)
         c = (self.num_channels,)
         self.weight: Param | None = Param(np.ones(c, dt), name="weight") if self.affine else None
-        self.bias: Param | None = Param(np.zeros(c, dt), name="bias") if self.affine else None
+        self.bias: Param | None = Param(np.zeros(c, dt), name="bias") if self.affine and bias else None
 
     def forward(self, input: Operand) -> Tensor:
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
@@ -290,6 +298,7 @@ class GroupNorm(Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class RMSNorm(Module):
     """Root-mean-square normalization over the trailing ``normalized_shape``, as ``torch.nn.RMSNorm``.
 

@@ -23,6 +23,7 @@ from .._core._result import TapeError
 from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as R
 from .._shell._params import Param
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor, session_of
 from . import _init as init
 from . import functional as F
@@ -126,6 +127,7 @@ class _Cell(Module):
         return f"{self.input_size}, {self.hidden_size}, bias={self.bias_ih is not None}"
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class GRUCell(_Cell):
     """Gated recurrent unit, one step: ``h' = GRUCell(x, h)``, equal to ``torch.nn.GRUCell``.
 
@@ -171,6 +173,7 @@ class GRUCell(_Cell):
             return gru_step(gi, gh, h, self.hidden_size)
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class LSTMCell(_Cell):
     """Long short-term memory, one step: ``(h', c') = LSTMCell(x, (h, c))``, equal to ``torch.nn.LSTMCell``.
 
@@ -366,6 +369,7 @@ class _RNNBase(Module):
         return s
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class GRU(_RNNBase):
     """Multi-layer gated recurrent unit over a whole sequence, equal to ``torch.nn.GRU``.
 
@@ -400,6 +404,14 @@ class GRU(_RNNBase):
         return out, self._final([f[0] for f in finals], unbatched)
 
 
+@torch_entry(
+    bind=("nn",),
+    records="module",
+    opinfo=(),
+    gaps={
+        "proj_size=": "LSTM with projections (proj_size > 0) is not implemented; project the outputs with a Linear layer"
+    },
+)
 class LSTM(_RNNBase):
     """Multi-layer long short-term memory over a whole sequence, equal to ``torch.nn.LSTM``.
 

@@ -21,6 +21,7 @@ from .._core._result import TapeError
 from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as R
 from .._shell._params import Param, tie
+from .._shell._surface import torch_entry
 from .._shell._tensor import Operand, Tensor, session_of
 from . import _init as init
 from . import functional as F
@@ -69,6 +70,14 @@ def _float_mask(mask: Operand | None, what: str, dtype: np.dtype) -> Operand | N
     return mask
 
 
+@torch_entry(
+    bind=("nn",),
+    records="module",
+    opinfo=(),
+    gaps={
+        "add_bias_kv=True": "the learned bias row and the zero row appended to the keys and values (add_bias_kv, add_zero_attn) are not implemented; pass False for both and append them to key and value yourself"
+    },
+)
 class MultiheadAttention(Module):
     """Multi-head attention as ``torch.nn.MultiheadAttention``: PyTorch's arguments, parameters and ``(output, weights)``.
 
@@ -239,6 +248,7 @@ def _activation(activation: str | Callable[[Tensor], Tensor]) -> Callable[[Tenso
     return activation
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class TransformerEncoderLayer(Module):
     """Self-attention and feed-forward block as ``torch.nn.TransformerEncoderLayer`` (post-norm, or ``norm_first``).
 
@@ -309,6 +319,7 @@ class TransformerEncoderLayer(Module):
         return self.norm2(x + self._ff_block(x))
 
 
+@torch_entry(bind=("nn",), records="module", opinfo=())
 class TransformerEncoder(Module):
     """A stack of ``num_layers`` copies of ``encoder_layer`` (and an optional final ``norm``), as ``torch.nn.TransformerEncoder``.
 
