@@ -427,8 +427,18 @@ class Session:
             self._exiting = False
             pop_current(self._tokens.pop())
 
-    def _stale_reason(self, generation: int) -> str:
-        """What invalidated handles of ``generation`` (an older one): the end of a ``with`` block or a reset()."""
+    def stale_reason(self, generation: int) -> str:
+        """What invalidated handles of ``generation`` (an older one): the end of a ``with`` block or a reset().
+
+        The stale-handle error quotes it; the last 64 generations are remembered.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> with s:
+        ...     x = s.input(jnp.ones(2))
+        >>> s.stale_reason(x.generation).startswith("the `with s:` block")
+        True
+        """
         by_exit = self._ended_by_exit.get(generation)
         if by_exit is None:
             return "a Session.reset() or the end of a `with s:` block invalidated handles recorded before it"

@@ -717,7 +717,7 @@ def check_handle(h: Tensor, s: Session | None) -> Session:
     if h._generation != s.generation:
         raise TapeError(
             f"stale tensor handle from generation {h._generation}; current generation is {s.generation} "
-            f"({s._stale_reason(h._generation)})"
+            f"({s.stale_reason(h._generation)})"
         )
     return s
 
