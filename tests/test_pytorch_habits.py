@@ -169,7 +169,7 @@ def test_a_deep_copy_shares_no_storage_and_says_so():
     assert all(f"storage=#{p.storage.uid}" in repr(p) for p in theirs)
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
-    theirs[0].value = jnp.zeros((2, 3), F32)
+    theirs[0].value = jnp.zeros((3, 2), F32)  # Linear(2, 3).weight is (out, in)
     assert np.asarray(ours[0].value).any()  # writing the copy leaves the original
 
 
@@ -180,9 +180,12 @@ def test_reading_a_value_inside_a_compiled_step_names_the_fix():
         step(jnp.ones(2))
 
 
-def test_a_layer_without_key_and_a_second_optimizer_say_what_to_write():
-    with pytest.raises(TypeError, match=r"Linear: pass key=jax.random.key\(...\), e.g. tfl.nn.Linear\(..., key="):
-        tfl.nn.Linear(4, 4)
+def test_a_layer_without_key_draws_the_seed_stream_and_a_second_optimizer_says_what_to_write():
+    tfl.nn.init.manual_seed(3)
+    a, b = tfl.nn.Linear(4, 4), tfl.nn.Linear(4, 4)  # PyTorch code constructs layers as written
+    assert not np.array_equal(np.asarray(a.weight.value), np.asarray(b.weight.value))
+    tfl.nn.init.manual_seed(3)
+    np.testing.assert_array_equal(np.asarray(tfl.nn.Linear(4, 4).weight.value), np.asarray(a.weight.value))
     w = tfl.Param(jnp.ones(2, F32), name="w")
     first, second = tfl.Optimizer(optax.sgd(0.1), [w]), tfl.Optimizer(optax.sgd(0.1), [w])
     with tfl.Session() as s:
@@ -354,7 +357,9 @@ def test_stack_split_chunk_and_constants_follow_pytorch():
         assert tfl.arange(5).tolist() == torch.arange(5).tolist()
         assert tfl.arange(0, 1, 0.25).tolist() == torch.arange(0, 1, 0.25).tolist()
         assert x.argmax(dim=1).tolist() == t.argmax(dim=1).tolist() and int(x.argmin()) == int(t.argmin())
-        with pytest.raises(RuntimeError, match=r"sections \[2, 2\] must be non-negative and add up to dimension 0's size 7"):
+        with pytest.raises(
+            RuntimeError, match=r"sections \[2, 2\] must be non-negative and add up to dimension 0's size 7"
+        ):
             tfl.split(x, [2, 2])
     assert isinstance(tfl.zeros(3), jax.Array)  # no session: a plain array
 
