@@ -18,6 +18,7 @@ from _helpers import _assert_unchanged, _state
 
 import tapeflow as tfl
 from tapeflow._core import _registry as R
+from tapeflow._shell import _functions as op_functions  # the registry's functions (tfl.<name> may be PyTorch's)
 
 # (op, operand shapes, accepted attrs, rejected look-alike attrs, text in the error)
 LOOKALIKES = [
@@ -84,7 +85,7 @@ def test_lookalike_through_a_session(op, shapes, good, bad, needle):
 
     s = tfl.Session()
     xs = [s.input(t.value(i)) for i in ids]
-    fn = getattr(tfl, op)
+    fn = getattr(op_functions, op)
     fn(*xs, **good)  # caches the accepted look-alike
     before = _state(s)
     with pytest.raises(tfl.TapeError) as e:
@@ -97,14 +98,20 @@ def test_lookalike_through_a_session(op, shapes, good, bad, needle):
     _assert_unchanged(s, before)
 
 
-def test_sum_axis_true_via_tfl_sum():
+def test_sum_axis_true_via_the_op_function_and_tfl_sum():
     s = tfl.Session()
     x = s.input(jnp.ones((3, 4), jnp.float32))
-    assert tfl.sum(x, axis=1).shape == (3,)
+    assert op_functions.sum(x, axis=1).shape == (3,)
     with pytest.raises(tfl.TapeError, match=r"sum: attribute axis=True must be an int"):
-        tfl.sum(x, axis=True)
+        op_functions.sum(x, axis=True)
     with pytest.raises(tfl.TapeError, match=r"sum: attribute keepdims=1 must be True or False"):
-        tfl.sum(x, axis=1, keepdims=1)
+        op_functions.sum(x, axis=1, keepdims=1)
+    # PyTorch's tfl.sum refuses the same look-alikes, as torch.sum does
+    assert tfl.sum(x, 1).shape == (3,)
+    with pytest.raises(TypeError, match=r"sum: dim must be an int, got True"):
+        tfl.sum(x, True)
+    with pytest.raises(TypeError, match=r"sum: keepdim must be a bool, got 1"):
+        tfl.sum(x, 1, keepdim=1)
 
 
 # --------------------------------------------------------------------------- NumPy scalars are normalized
@@ -183,7 +190,7 @@ def test_meaningless_float_attributes_are_rejected(op, shapes, attrs, name):
     xs = [s.input(t.value(i)) for i in ids]
     before = _state(s)
     with pytest.raises(tfl.TapeError) as e:
-        getattr(tfl, op)(*xs, **attrs)
+        getattr(op_functions, op)(*xs, **attrs)
     assert str(e.value) == msg
     _assert_unchanged(s, before)
 

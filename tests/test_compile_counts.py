@@ -218,8 +218,8 @@ def test_a_shared_step_program_matches_plain_optax():
     state = tx.init(params)
 
     def pure_loss(params):
-        h = jnp.maximum(X @ params["layers.0.weight"] + params["layers.0.bias"], 0.0)
-        logits = h @ params["layers.1.weight"] + params["layers.1.bias"]
+        h = jnp.maximum(X @ params["layers.0.weight"].T + params["layers.0.bias"], 0.0)  # (out, in) weights
+        logits = h @ params["layers.1.weight"].T + params["layers.1.bias"]
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), Y[:, None], axis=1))
 
     names = [n for n, _ in m.named_parameters()]

@@ -493,7 +493,7 @@ def test_from_pytorch_lists_every_surface_entry_and_layer() -> None:
 
     text = (ROOT / "docs" / "from-pytorch.md").read_text()
     generated = text.split(_ext("gen_surface").BEGIN, 1)[1]
-    prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F."}
+    prefix = {"method": "x.", "property": "x.", "tfl": "tfl.", "F": "F.", "nn": "nn."}
     absent = [
         f"{prefix[b]}{n}" for n, e in _surface.SURFACE.items() for b in e.bind if f"`{prefix[b]}{n}`" not in generated
     ]

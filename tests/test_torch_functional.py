@@ -273,11 +273,19 @@ def test_sdpa_dropout_draws_once_and_keeps_rows() -> None:
         assert s.rng_counter == before + 1 and plain.shape == (1, 4, 3)
 
 
+def test_max_pool_return_indices_match_torch() -> None:
+    x = rand(2, 3, 5, 6)
+    want_v, want_i = torch.nn.functional.max_pool2d(torch.from_numpy(x), 3, 2, padding=1, return_indices=True)
+    with tfl.Session() as s:
+        v, i = F.max_pool2d(s.input(x), 3, 2, padding=1, return_indices=True)
+        np.testing.assert_array_equal(np.asarray(v), want_v.numpy())
+        np.testing.assert_array_equal(np.asarray(i), want_i.numpy())
+
+
 ERRORS: list[tuple[Callable[[tfl.Session], object], type[Exception], str]] = [
     (lambda s: F.conv2d(s.input(rand(1, 3, 5, 5)), rand(2, 2, 3, 3)), ValueError, "expects 2"),
     (lambda s: F.conv2d(s.input(rand(1, 3, 5, 5)), rand(2, 3, 3, 3), stride=2, padding="same"), ValueError, "strided"),
     (lambda s: F.conv1d(s.input(rand(5)), rand(2, 1, 3)), ValueError, r"\(N, C, L\)"),
-    (lambda s: F.max_pool2d(s.input(rand(1, 1, 4, 4)), 2, return_indices=True), NotImplementedError, "return_indices"),
     (lambda s: F.max_pool2d(s.input(rand(1, 1, 4, 4)), 2, padding=2), ValueError, "half of the kernel"),
     (lambda s: F.embedding(s.input(ints(0)), rand(3, 2), max_norm=1.0), NotImplementedError, "max_norm"),
     (lambda s: F.embedding(s.input(rand(2)), rand(3, 2)), TypeError, "integer indices"),

@@ -177,7 +177,7 @@ def test_dtypes_and_constants_map_to_32_bits():
         assert x.argmax().tolist() == int(torch.tensor(X).argmax())
         b = s.input(jnp.array([True, False]))
         assert b.sum().dtype == _jax_dtype(torch.int64) and b.sum().item() == 1
-        with pytest.raises(RuntimeError, match="mean: a int.. tensor has no floating mean dtype"):
+        with pytest.raises(RuntimeError, match=r"mean: a int.. tensor has no floating mean dtype"):
             s.input(jnp.array([1, 2])).mean()
 
 

@@ -980,8 +980,9 @@ def relu(input: Operand, inplace: bool = False) -> Tensor:
     ...     tfl.relu(s.input(jnp.array([-1.0, 2.0]))).tolist()
     [0.0, 2.0]
     """
-    if not _is_float(input):  # PyTorch clamps integers too; they carry no gradient
-        return apply("maximum", input, np.zeros((), _dtype(input)))
+    dt = _dtype(input)
+    if jnp.issubdtype(dt, jnp.integer) or dt == np.bool_:  # PyTorch clamps integers too; they carry no gradient
+        return apply("maximum", input, np.zeros((), dt))
     return apply("relu", input)
 
 

@@ -219,6 +219,8 @@ def _red(
 ) -> tuple[Dims | None, bool]:
     d = _alias(op, dim, no_dim, axis, ("dim", "axis"))
     k = _alias(op, keepdim, False, keepdims, ("keepdim", "keepdims"))
+    if not isinstance(k, (builtins.bool, np.bool_)):
+        raise TypeError(f"{op}: keepdim must be a bool, got {k!r} (PyTorch refuses it too: pass True or False)")
     return d, builtins.bool(k)  # type: ignore[return-value]
 
 
