@@ -522,7 +522,7 @@ def test_gen_surface_writes_calls_a_reader_can_read() -> None:
         "    input,",
         "    a_long_parameter_name=1,",
         "    /,",
-        "    another_long_one='x',",
+        '    another_long_one="x",',
         "    *,",
         "    k=3,",
         ")",

@@ -86,7 +86,7 @@ def tidy(text: str) -> str:
     """Default values as a reader writes them: a class or function by its name (no address that changes per run)."""
     for pattern, repl in _REPRS:
         text = pattern.sub(repl, text)
-    return text
+    return re.sub(r"='([^'\"\\\\]*)'", r'="\1"', text)  # string defaults in double quotes, as ruff formats code
 
 
 def plain(sig: inspect.Signature, drop_first: bool = False) -> inspect.Signature:
