@@ -57,6 +57,7 @@ __all__ = [
     "current_session",
     "host_value",
     "last_recorded_session",
+    "operand_shape",
     "promote",
     "promoted_div",
     "promoted_pow",
@@ -723,6 +724,16 @@ def check_handle(h: Tensor, s: Session | None) -> Session:
 
 
 # --------------------------------------------------------------------------- dispatch
+
+
+def operand_shape(x: Operand) -> Shape:
+    """The shape of an operand (Tensor, Param, array, number or nested list), read without recording anything.
+
+    >>> operand_shape([[1, 2, 3]]), operand_shape(2.0)
+    ((1, 3), ())
+    """
+    got = getattr(x, "shape", None)
+    return tuple(int(d) for d in (np.shape(np.asarray(x)) if got is None else got))
 
 
 def session_of(operands: tuple[Operand, ...] | list[Operand], opname: str) -> Session:

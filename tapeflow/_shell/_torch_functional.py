@@ -31,7 +31,7 @@ from .._core._typing import Array, Shape
 from . import _functions
 from ._extend import lift
 from ._surface import torch_entry
-from ._tensor import Operand, Tensor, apply, session_of
+from ._tensor import Operand, Tensor, apply, operand_shape, session_of
 
 __all__ = [
     "adaptive_avg_pool1d",
@@ -78,11 +78,6 @@ IntOrTuple = int | Sequence[int]
 # --------------------------------------------------------------------------- helpers
 
 
-def _shape(x: Operand) -> Shape:
-    got = getattr(x, "shape", None)
-    return tuple(np.shape(np.asarray(x)) if got is None else got)
-
-
 def _dtype(x: Operand) -> np.dtype:
     got = getattr(x, "dtype", None)
     if got is None or type(got).__module__ == "torch":  # a CPU torch tensor: its dtype is torch's own type
@@ -113,14 +108,14 @@ def _ints(op: str, name: str, v: object, n: int, least: int) -> tuple[int, ...]:
 
 def _batched(op: str, x: Operand, spatial: int) -> tuple[Operand, bool]:
     """``x`` with a batch axis (PyTorch's unbatched ``(C, *spatial)`` input gets one), and whether one was added."""
-    nd = len(_shape(x))
+    nd = len(operand_shape(x))
     if nd == spatial + 2:
         return x, False
     if nd == spatial + 1:
         return apply("expand_dims", x, axis=0), True
     want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
     raise ValueError(
-        f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {_shape(x)} ({nd} dimensions)"
+        f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {operand_shape(x)} ({nd} dimensions)"
     )
 
 
@@ -159,7 +154,7 @@ def linear(input: Operand, weight: Operand, bias: Operand | None = None) -> Tens
     ...     tfl.linear(s.input(jnp.ones((2, 3))), jnp.ones((4, 3)), jnp.ones(4)).tolist()[0]
     [4.0, 4.0, 4.0, 4.0]
     """
-    if len(_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
+    if len(operand_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
         y = apply("matmul", input, weight)
         return y if bias is None else apply("add", y, bias)
     return apply("linear_t", input, weight) if bias is None else apply("linear_t", input, weight, bias)
@@ -186,7 +181,7 @@ def _conv_padding(
 
 
 def _conv_weight_check(op: str, x: Operand, weight: Operand, spatial: int, groups: int) -> None:
-    ws, xs = _shape(weight), _shape(x)
+    ws, xs = operand_shape(weight), operand_shape(x)
     if len(xs) not in (spatial + 1, spatial + 2):
         want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
         raise ValueError(f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {xs}")
@@ -225,7 +220,7 @@ def conv1d(
     """
     _conv_weight_check("conv1d", input, weight, 1, groups)
     _float_input("conv1d", input)
-    (k,) = _shape(weight)[2:]
+    (k,) = operand_shape(weight)[2:]
     st = _ints("conv1d", "stride", stride, 1, 1)
     dl = _ints("conv1d", "dilation", dilation, 1, 1)
     ((lo, hi),) = _conv_padding("conv1d", padding, (k,), st, dl)
@@ -260,7 +255,7 @@ def conv2d(
     """
     _conv_weight_check("conv2d", input, weight, 2, groups)
     _float_input("conv2d", input)
-    k = _shape(weight)[2:]
+    k = operand_shape(weight)[2:]
     st = _ints("conv2d", "stride", stride, 2, 1)
     dl = _ints("conv2d", "dilation", dilation, 2, 1)
     pads = _conv_padding("conv2d", padding, k, st, dl)
@@ -315,7 +310,7 @@ def conv_transpose2d(
     (1, 4, 5, 5)
     """
     op = "conv_transpose2d"
-    ws, xs = _shape(weight), _shape(input)
+    ws, xs = operand_shape(weight), operand_shape(input)
     if len(ws) != 4:
         raise ValueError(f"{op}: weight must have shape (in_channels, out_channels/groups, kh, kw), got {ws}")
     if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
@@ -486,7 +481,7 @@ def _max_pool_nd(
     x, added = _batched(op, input, n)
     if _dtype(x) == np.bool_:
         raise TapeError(f"{op}: input has dtype bool; cast it to a number first, e.g. with .float()")
-    size = _shape(x)[2:]
+    size = operand_shape(x)[2:]
     out = _pool_out(op, size, k, st, pd, dl, bool(ceil_mode))
     if n == 1:
         x = apply("expand_dims", x, axis=2)
@@ -575,7 +570,7 @@ def _avg_pool_nd(
         raise ValueError(f"{op}: divisor_override={divisor_override!r} must be None or a non-zero int")
     x, added = _batched(op, input, n)
     _float_input(op, x)
-    size = _shape(x)[2:]
+    size = operand_shape(x)[2:]
     out = _pool_out(op, size, k, st, pd, (1,) * n, bool(ceil_mode))
     if n == 1:
         x = apply("expand_dims", x, axis=2)
@@ -678,7 +673,7 @@ def adaptive_avg_pool1d(input: Operand, output_size: int | Sequence[int]) -> Ten
     ...     F.adaptive_avg_pool1d(s.input(jnp.arange(5.0).reshape(1, 5)), 2).tolist()
     [[1.0, 3.0]]
     """
-    xs = _shape(input)
+    xs = operand_shape(input)
     if len(xs) not in (2, 3):
         raise ValueError(f"adaptive_avg_pool1d: input must be (N, C, L) or (C, L), got shape {xs}")
     _float_input("adaptive_avg_pool1d", input)
@@ -699,7 +694,7 @@ def adaptive_avg_pool2d(input: Operand, output_size: int | Sequence[int | None] 
     ...     F.adaptive_avg_pool2d(s.input(jnp.ones((2, 3, 5, 7))), 1).shape
     (2, 3, 1, 1)
     """
-    xs = _shape(input)
+    xs = operand_shape(input)
     if len(xs) not in (3, 4):
         raise ValueError(f"adaptive_avg_pool2d: input must be (N, C, H, W) or (C, H, W), got shape {xs}")
     _float_input("adaptive_avg_pool2d", input)
@@ -747,7 +742,7 @@ def embedding(
         )
     if scale_grad_by_freq:
         raise NotImplementedError("embedding: scale_grad_by_freq=True is not supported; pass False")
-    ws = _shape(weight)
+    ws = operand_shape(weight)
     if len(ws) != 2:
         raise ValueError(f"embedding: weight must have shape (num_embeddings, embedding_dim), got {ws}")
     if not jnp.issubdtype(_dtype(input), jnp.integer):
@@ -774,7 +769,7 @@ _standardize_op = lift(_standardize, name="torch.nn.functional.layer_norm.any_ep
 
 def _normalized_axes(op: str, input: Operand, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     ns = (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
-    xs = _shape(input)
+    xs = operand_shape(input)
     if not ns or len(ns) > len(xs) or xs[len(xs) - len(ns) :] != ns:
         raise ValueError(f"{op}: normalized_shape={list(ns)} must be the trailing dimensions of the input's shape {xs}")
     return tuple(range(-len(ns), 0))
@@ -822,7 +817,7 @@ def group_norm(
     ...     F.group_norm(s.input(jnp.arange(8.0).reshape(1, 4, 2)), 2).shape
     (1, 4, 2)
     """
-    xs = _shape(input)
+    xs = operand_shape(input)
     if len(xs) < 2 or not isinstance(num_groups, int) or num_groups < 1 or xs[1] % num_groups:
         raise ValueError(f"group_norm: input {xs} must be (N, C, *) with C divisible by num_groups={num_groups!r}")
     _float_input("group_norm", input)
@@ -885,7 +880,7 @@ def dropout(input: Operand, p: float = 0.5, training: bool = True, inplace: bool
     if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.0 <= float(p) <= 1.0:
         raise ValueError(f"dropout: probability has to be between 0 and 1, but got p={p!r}")
     if not training:  # the input itself, as PyTorch (a Param or an array: recorded, keeping its gradient)
-        return input if isinstance(input, Tensor) else apply("reshape", input, shape=_shape(input))
+        return input if isinstance(input, Tensor) else apply("reshape", input, shape=operand_shape(input))
     if float(p) == 1.0:
         _float_input("dropout", input)
         return apply("mul", input, 0.0)  # PyTorch's p=1: every entry dropped (NaN stays NaN, as input * 0)
@@ -943,7 +938,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
     if is_causal and attn_mask is not None:
         raise ValueError(f"{op}: pass attn_mask or is_causal=True, not both (fold the causal mask into attn_mask)")
-    qs, ks, vs = _shape(query), _shape(key), _shape(value)
+    qs, ks, vs = operand_shape(query), operand_shape(key), operand_shape(value)
     if enable_gqa and len(qs) >= 3 and ks[-3] != qs[-3]:
         if qs[-3] % ks[-3] or ks[-3] != vs[-3]:
             raise ValueError(
@@ -963,8 +958,8 @@ def scaled_dot_product_attention(
     if not dropout_p:
         return _float_mask_attention_op(query, key, value, attn_mask, scale=sc, dropout=0.0)
     s = session_of((query, key, value, attn_mask), op)
-    batch = np.broadcast_shapes(qs[:-2], _shape(key)[:-2], _shape(attn_mask)[:-2])
-    keep = s.bernoulli_mask(batch + (qs[-2], _shape(key)[-2]), 1.0 - float(dropout_p))
+    batch = np.broadcast_shapes(qs[:-2], operand_shape(key)[:-2], operand_shape(attn_mask)[:-2])
+    keep = s.bernoulli_mask(batch + (qs[-2], operand_shape(key)[-2]), 1.0 - float(dropout_p))
     return _float_mask_attention_op(query, key, value, attn_mask, keep, scale=sc, dropout=float(dropout_p))
 
 
@@ -1174,8 +1169,8 @@ def normalize(input: Operand, p: float = 2.0, dim: int = 1, eps: float = 1e-12, 
     if out is not None:
         raise TypeError("normalize: out= is not supported (tensors are values); use the returned tensor")
     _float_input("normalize", input)
-    d = _axis("normalize", dim, len(_shape(input)))
-    if not _shape(input):  # PyTorch reads a 0-d input as one vector of one entry
+    d = _axis("normalize", dim, len(operand_shape(input)))
+    if not operand_shape(input):  # PyTorch reads a 0-d input as one vector of one entry
         y = _normalize_op(apply("reshape", input, shape=(1,)), p=float(p), dim=0, eps=float(eps))
         return apply("reshape", y, shape=())
     return _normalize_op(input, p=float(p), dim=d, eps=float(eps))
@@ -1194,7 +1189,7 @@ def cosine_similarity(x1: Operand, x2: Operand, dim: int = 1, eps: float = 1e-8)
     """
     _float_input("cosine_similarity", x1, "x1")
     _float_input("cosine_similarity", x2, "x2")
-    shape = np.broadcast_shapes(_shape(x1), _shape(x2))
+    shape = np.broadcast_shapes(operand_shape(x1), operand_shape(x2))
     d = _axis("cosine_similarity", dim, len(shape))
     if not shape:  # PyTorch reads 0-d inputs as vectors of one entry
         one = [apply("reshape", x, shape=(1,)) for x in (x1, x2)]
@@ -1240,7 +1235,7 @@ def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float
     ...     F.pad(s.input(jnp.array([[1.0, 2.0, 3.0]])), (2, 1), mode="reflect").tolist()
     [[3.0, 2.0, 1.0, 2.0, 3.0, 2.0]]
     """
-    xs = _shape(input)
+    xs = operand_shape(input)
     pads = list(pad)
     if len(pads) % 2 or len(pads) // 2 > len(xs) or not all(isinstance(p, (int, np.integer)) for p in pads):
         raise ValueError(
@@ -1353,7 +1348,7 @@ def interpolate(
     [[[0.0, 0.25, 0.75, 1.0]]]
     """
     op = "interpolate"
-    xs = _shape(input)
+    xs = operand_shape(input)
     spatial = len(xs) - 2
     if spatial not in (1, 2, 3):
         raise NotImplementedError(f"{op}: input must be (N, C, L), (N, C, H, W) or (N, C, D, H, W), got shape {xs}")
@@ -1465,7 +1460,7 @@ _soft_ce_op = lift(
 
 def _class_target_check(op: str, input: Operand, target: Operand, weight: Operand | None) -> int:
     """The number of classes, after checking PyTorch's shapes: input (N, C, d...) or (C,), target (N, d...) or ()."""
-    xs, ts = _shape(input), _shape(target)
+    xs, ts = operand_shape(input), operand_shape(target)
     if not xs:
         raise ValueError(f"{op}: input must have a class dimension: (C,), (N, C) or (N, C, d1, ...), got shape ()")
     cd = 1 if len(xs) >= 2 else 0
@@ -1474,8 +1469,8 @@ def _class_target_check(op: str, input: Operand, target: Operand, weight: Operan
             f"{op}: target of shape {ts} does not match input {xs}: class indices need input.shape without "
             f"dim {cd} ({xs[:cd] + xs[cd + 1 :]})"
         )
-    if weight is not None and _shape(weight) != (xs[cd],):
-        raise ValueError(f"{op}: weight must have shape ({xs[cd]},) (one per class), got {_shape(weight)}")
+    if weight is not None and operand_shape(weight) != (xs[cd],):
+        raise ValueError(f"{op}: weight must have shape ({xs[cd]},) (one per class), got {operand_shape(weight)}")
     _float_input(op, input)
     return xs[cd]
 
@@ -1541,12 +1536,12 @@ def cross_entropy(
     ls = float(label_smoothing)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"{op}: label_smoothing={label_smoothing!r} must be in [0, 1]")
-    xs = _shape(input)
+    xs = operand_shape(input)
     if jnp.issubdtype(_dtype(target), jnp.floating):
-        if _shape(target) != xs:
-            raise ValueError(f"{op}: class-probability target {_shape(target)} must have the input's shape {xs}")
-        if weight is not None and (not xs or _shape(weight) != (xs[1 if len(xs) >= 2 else 0],)):
-            raise ValueError(f"{op}: weight must have shape (C,) (one per class), got {_shape(weight)}")
+        if operand_shape(target) != xs:
+            raise ValueError(f"{op}: class-probability target {operand_shape(target)} must have the input's shape {xs}")
+        if weight is not None and (not xs or operand_shape(weight) != (xs[1 if len(xs) >= 2 else 0],)):
+            raise ValueError(f"{op}: weight must have shape (C,) (one per class), got {operand_shape(weight)}")
         _float_input(op, input)
         operands = (input, target) if weight is None else (input, target, weight)
         return _soft_ce_op(*operands, reduction=red, smoothing=ls)
@@ -1602,11 +1597,13 @@ def _pair_check(op: str, input: Operand, target: Operand, weight: Operand | None
     _float_input(op, input)
     _float_input(op, target, "target")
     try:
-        shape = np.broadcast_shapes(_shape(input), _shape(target))
+        shape = np.broadcast_shapes(operand_shape(input), operand_shape(target))
     except ValueError:
-        raise ValueError(f"{op}: input {_shape(input)} and target {_shape(target)} do not broadcast together") from None
-    if weight is not None and _shape(weight) != shape:
-        raise ValueError(f"{op}: weight {_shape(weight)} must have the size of the input {shape}")
+        raise ValueError(
+            f"{op}: input {operand_shape(input)} and target {operand_shape(target)} do not broadcast together"
+        ) from None
+    if weight is not None and operand_shape(weight) != shape:
+        raise ValueError(f"{op}: weight {operand_shape(weight)} must have the size of the input {shape}")
 
 
 def _pointwise(
@@ -1636,7 +1633,12 @@ def mse_loss(
     5.0
     """
     red = _reduction("mse_loss", size_average, reduce, reduction)
-    if weight is None and _shape(input) == _shape(target) and _is_float(input) and _dtype(input) == _dtype(target):
+    if (
+        weight is None
+        and operand_shape(input) == operand_shape(target)
+        and _is_float(input)
+        and _dtype(input) == _dtype(target)
+    ):
         return apply("mse", input, target, reduction=red)
     return _pointwise("mse_loss", input, target, weight, red, 0.0, True)
 
@@ -1743,8 +1745,10 @@ def binary_cross_entropy(
     0.6931
     """
     red = _reduction("binary_cross_entropy", size_average, reduce, reduction)
-    if _shape(target) != _shape(input):
-        raise ValueError(f"binary_cross_entropy: target {_shape(target)} must have the input's shape {_shape(input)}")
+    if operand_shape(target) != operand_shape(input):
+        raise ValueError(
+            f"binary_cross_entropy: target {operand_shape(target)} must have the input's shape {operand_shape(input)}"
+        )
     _pair_check("binary_cross_entropy", input, target, None)
     operands = (input, target) if weight is None else (input, target, weight)
     return _bce_op(*operands, reduction=red)
@@ -1771,8 +1775,8 @@ def binary_cross_entropy_with_logits(
     """
     op = "binary_cross_entropy_with_logits"
     red = _reduction(op, size_average, reduce, reduction)
-    if _shape(target) != _shape(input):
-        raise ValueError(f"{op}: target {_shape(target)} must have the input's shape {_shape(input)}")
+    if operand_shape(target) != operand_shape(input):
+        raise ValueError(f"{op}: target {operand_shape(target)} must have the input's shape {operand_shape(input)}")
     _pair_check(op, input, target, None)
     w = 1.0 if weight is None else weight
     operands = (input, target, w) if pos_weight is None else (input, target, w, pos_weight)

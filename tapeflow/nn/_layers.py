@@ -21,7 +21,7 @@ from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as R
 from .._shell._params import Param, tie
 from .._shell._surface import torch_entry
-from .._shell._tensor import Operand, Tensor
+from .._shell._tensor import Operand, Tensor, operand_shape
 from . import _init as init
 from . import functional as F
 from ._module import Module, factory_dtype
@@ -37,12 +37,6 @@ __all__ = [
     "TiedLinear",
     "Unflatten",
 ]
-
-
-def shape_of(x: Operand) -> tuple[int, ...]:
-    """The shape of an operand (Tensor, Param, array or nested list), read without recording anything."""
-    shape = getattr(x, "shape", None)
-    return tuple(int(d) for d in (np.shape(np.asarray(x)) if shape is None else shape))
 
 
 def uniform_param(key: PRNGKey, shape: tuple[int, ...], bound: float, dtype: DTypeLike, name: str) -> Param:
@@ -290,7 +284,7 @@ class Flatten(Module):
         self.end_dim = int(end_dim)
 
     def forward(self, input: Operand) -> Tensor:
-        shape = shape_of(input)
+        shape = operand_shape(input)
         n = max(len(shape), 1)
         lo, hi = self.start_dim % n, self.end_dim % n
         if not (-n <= self.start_dim < n and -n <= self.end_dim < n) or lo > hi:
@@ -320,7 +314,7 @@ class Unflatten(Module):
         self.unflattened_size = tuple(int(d) for d in unflattened_size)
 
     def forward(self, input: Operand) -> Tensor:
-        shape = shape_of(input)
+        shape = operand_shape(input)
         if not -len(shape) <= self.dim < len(shape):
             raise TapeError(f"Unflatten: dim={self.dim} is out of range for an input of shape {shape}")
         d = self.dim % len(shape)
@@ -399,7 +393,7 @@ class MultiHeadAttention(Module):
         q = self._heads(xq)
         k = self._heads(self.k_proj(kv_in))
         v = self._heads(self.v_proj(kv_in))
-        if mask is not None and len(shape_of(mask)) == len(xq.shape) >= 3:
+        if mask is not None and len(operand_shape(mask)) == len(xq.shape) >= 3:
             mask = R.expand_dims(mask, -3) if isinstance(mask, Tensor) else jnp.expand_dims(jnp.asarray(mask), -3)
         if self.dropout:  # the train/eval mode is read (and keys compiled programs) only when it matters
             o = R.attention(

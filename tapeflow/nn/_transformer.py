@@ -22,11 +22,11 @@ from .._core._typing import DTypeLike, PRNGKey
 from .._shell import _functions as R
 from .._shell._params import Param, tie
 from .._shell._surface import torch_entry
-from .._shell._tensor import Operand, Tensor, session_of
+from .._shell._tensor import Operand, Tensor, operand_shape, session_of
 from . import _init as init
 from . import functional as F
 from ._container import ModuleList
-from ._layers import Dropout, Linear, shape_of
+from ._layers import Dropout, Linear
 from ._module import Module, factory_dtype
 from ._norm import LayerNorm
 
@@ -177,7 +177,7 @@ class MultiheadAttention(Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        shape = shape_of(query)
+        shape = operand_shape(query)
         if len(shape) not in (2, 3) or shape[-1] != self.embed_dim:
             raise TapeError(
                 f"MultiheadAttention: query has shape {shape}; expected (L, N, E), (N, L, E) with batch_first, "
@@ -208,7 +208,7 @@ class MultiheadAttention(Module):
             v = heads(self._project(value, 2), src_len)
             dtype = np.dtype(q.dtype)
             mask = _float_mask(attn_mask, "attn_mask", dtype)
-            if mask is not None and len(shape_of(mask)) == 3:
+            if mask is not None and len(operand_shape(mask)) == 3:
                 mask = R.reshape(mask, (n, h, tgt_len, src_len))
             kpm = _float_mask(key_padding_mask, "key_padding_mask", dtype)
             if kpm is not None:
