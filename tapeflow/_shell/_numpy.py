@@ -51,7 +51,7 @@ import inspect
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias, TypeGuard, cast
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +62,21 @@ from .._core._result import TapeError
 from .._core._typing import PyTree
 from ._extend import lift
 from ._params import Param
-from ._tensor import Tensor, apply
+from ._tensor import Operand, Tensor, apply
 
 _P = inspect.Parameter
 _HANDLES = (Tensor, Param)
 _PREFIX = "tfl.numpy."  # op names: "tfl.numpy.cumsum" (apart from "jax.numpy.cumsum", tfl.lift(jnp.cumsum)'s default)
 _PRESENT = "present"  # the static of an op with optional operands: which of them the call gave
 
-Builtin = Callable[[list[Any], dict[str, Any]], Any]
+Operands: TypeAlias = "list[Operand | None]"
+"""A call's operands, one per declared operand (None where an optional one is left out)."""
+
+Statics: TypeAlias = dict[str, object]
+"""Static arguments by name (a call's, lists frozen to tuples, or a function's defaults): ints, tuples, strings,
+dtypes, None."""
+
+Builtin: TypeAlias = Callable[[Operands, Statics], Tensor | None]
 """``builtin(operands, statics) -> Tensor | None``: the built-in op for this call, or None where it does not fit.
 
 ``operands`` has one entry per declared operand (None where an optional one is left out), ``statics`` only
@@ -79,11 +86,20 @@ the static arguments the call gave with a value other than the ``jax.numpy`` def
 # --------------------------------------------------------------------------- built-in ops that fit a call
 
 
+def _all_given(ops: Operands) -> TypeGuard[list[Operand]]:
+    return all(o is not None for o in ops)
+
+
+def _required(ops: Operands) -> list[Operand]:
+    """The operands of a function whose table row declares none optional: the call gave every one."""
+    return cast("list[Operand]", ops)
+
+
 def _same(opname: str) -> Builtin:
     """The built-in op ``opname`` on all operands, when no static argument is given."""
 
-    def use(ops: list[Any], kw: dict[str, Any]) -> Any:
-        if kw or any(o is None for o in ops):
+    def use(ops: Operands, kw: Statics) -> Tensor | None:
+        if kw or not _all_given(ops):
             return None
         return apply(opname, *ops)
 
@@ -93,40 +109,40 @@ def _same(opname: str) -> Builtin:
 def _keywords(opname: str, allowed: Mapping[str, str]) -> Builtin:
     """The built-in op on one operand, when the given statics are among ``allowed`` (jnp name -> op attribute)."""
 
-    def use(ops: list[Any], kw: dict[str, Any]) -> Any:
-        if any(k not in allowed for k in kw) or any(o is None for o in ops):
+    def use(ops: Operands, kw: Statics) -> Tensor | None:
+        if any(k not in allowed for k in kw) or not _all_given(ops):
             return None
         return apply(opname, *ops, **{allowed[k]: v for k, v in kw.items()})
 
     return use
 
 
-def _clip(ops: list[Any], kw: dict[str, Any]) -> Any:
+def _clip(ops: Operands, kw: Statics) -> Tensor | None:
     x, lo, hi = ops
     if kw or not all(v is None or type(v) in (int, float) for v in (lo, hi)):
         return None
-    return apply("clamp", x, lo=lo, hi=hi)
+    return apply("clamp", cast("Operand", x), lo=lo, hi=hi)  # arr is required: only min/max may be None
 
 
-def _concat(ops: list[Any], kw: dict[str, Any]) -> Any:
+def _concat(ops: Operands, kw: Statics) -> Tensor | None:
     axis = kw.get("axis", 0)
     if set(kw) - {"axis"} or type(axis) is not int or not ops:
         return None
-    return apply("concat", *ops, axis=axis)
+    return apply("concat", *_required(ops), axis=axis)
 
 
-def _transpose(ops: list[Any], kw: dict[str, Any]) -> Any:
-    return None if set(kw) - {"axes"} else apply("transpose", ops[0], axes=kw.get("axes"))
+def _transpose(ops: Operands, kw: Statics) -> Tensor | None:
+    return None if set(kw) - {"axes"} else apply("transpose", _required(ops)[0], axes=kw.get("axes"))
 
 
-def _reshape(ops: list[Any], kw: dict[str, Any]) -> Any:
+def _reshape(ops: Operands, kw: Statics) -> Tensor | None:
     if set(kw) - {"shape"} or "shape" not in kw:
         return None
-    return apply("reshape", ops[0], shape=kw["shape"])
+    return apply("reshape", _required(ops)[0], shape=kw["shape"])
 
 
-def _take(ops: list[Any], kw: dict[str, Any]) -> Any:
-    a, indices = ops
+def _take(ops: Operands, kw: Statics) -> Tensor | None:
+    a, indices = _required(ops)
     axis = kw.get("axis")
     if set(kw) - {"axis"} or not (axis is None or type(axis) is int):
         return None
@@ -139,11 +155,11 @@ _FINAL: frozenset[Builtin] = frozenset((_take,))
 """Built-ins whose refusal stands (no lifted fallback)."""
 
 
-def _gelu(ops: list[Any], kw: dict[str, Any]) -> Any:
+def _gelu(ops: Operands, kw: Statics) -> Tensor | None:
     approximate = kw.get("approximate", True)  # jax.nn.gelu's default: the tanh form
     if set(kw) - {"approximate"} or not isinstance(approximate, bool):
         return None
-    return apply("gelu", ops[0], approximate="tanh" if approximate else "none")
+    return apply("gelu", _required(ops)[0], approximate="tanh" if approximate else "none")
 
 
 # --------------------------------------------------------------------------- the tables
@@ -151,7 +167,7 @@ def _gelu(ops: list[Any], kw: dict[str, Any]) -> Any:
 # (name, operands, statics[, built-in]): operands are space-separated names, "?" marks an optional one (None:
 # left out), "*" a sequence of operands; statics are the names of the static arguments (their defaults are the
 # jax function's own). A function a name maps to is looked up in the table's module.
-_Row = tuple[Any, ...]
+_Row: TypeAlias = tuple[str, str, tuple[str, ...]] | tuple[str, str, tuple[str, ...], Builtin | None]
 
 _UNARY_FLOAT = [
     "exp",
@@ -405,7 +421,7 @@ class _Spec:
     operands: tuple[str, ...]  # declared operand names
     optional: frozenset[str]
     sequence: bool  # one operand, a sequence of arrays
-    statics: dict[str, Any]  # static name -> the jax function's default
+    statics: Statics  # static name -> the jax function's default
     builtin: Builtin | None
     positional: tuple[str, ...] = ()  # statics the jax function takes positional-only (after the operands)
 
@@ -446,14 +462,12 @@ def _signature(spec: _Spec) -> inspect.Signature:
             optional = o in spec.optional
             ann = "Operand | None" if optional else "Operand"
             params.append(_P(o, _P.POSITIONAL_OR_KEYWORD, default=None if optional else _P.empty, annotation=ann))
-    kind: Any = _P.POSITIONAL_OR_KEYWORD
+    keyword_only = False  # a required static after a parameter with a default: it and the rest by keyword only
     for n, d in spec.statics.items():
-        if d is R.REQUIRED:
-            if params and params[-1].default is not _P.empty:
-                kind = _P.KEYWORD_ONLY
-            params.append(_P(n, kind))
-        else:
-            params.append(_P(n, kind, default=d))
+        if d is R.REQUIRED and params and params[-1].default is not _P.empty:
+            keyword_only = True
+        kind = _P.KEYWORD_ONLY if keyword_only else _P.POSITIONAL_OR_KEYWORD
+        params.append(_P(n, kind) if d is R.REQUIRED else _P(n, kind, default=d))
     return inspect.Signature(params, return_annotation="Tensor")
 
 
@@ -464,19 +478,19 @@ def _pure(spec: _Spec) -> Callable[..., PyTree]:
 
     if spec.name == "einsum":
 
-        def pure(*xs: Any, **kw: Any) -> PyTree:
+        def pure(*xs: jax.Array, **kw: object) -> PyTree:
             return fn(kw.pop("subscripts"), *xs, **kw)
 
     elif sequence:
 
-        def pure(*xs: Any, **kw: Any) -> PyTree:
+        def pure(*xs: jax.Array, **kw: object) -> PyTree:
             return fn(xs, **kw)
 
     elif optional:
         required = [o for o in slots if o not in spec.optional]
 
-        def pure(*xs: Any, **kw: Any) -> PyTree:
-            present = kw.pop(_PRESENT)
+        def pure(*xs: jax.Array, **kw: object) -> PyTree:
+            present = cast("tuple[bool, ...]", kw.pop(_PRESENT))
             rest = iter(xs)
             given = {o: next(rest) for o, p in zip(slots, present) if p}
             lead = [given.pop(o) for o in required] + [kw.pop(n) for n in positional]
@@ -484,12 +498,12 @@ def _pure(spec: _Spec) -> Callable[..., PyTree]:
 
     elif positional:
 
-        def pure(*xs: Any, **kw: Any) -> PyTree:
+        def pure(*xs: jax.Array, **kw: object) -> PyTree:
             return fn(*xs, *[kw.pop(n) for n in positional], **kw)
 
     else:
 
-        def pure(*xs: Any, **kw: Any) -> PyTree:
+        def pure(*xs: jax.Array, **kw: object) -> PyTree:
             return fn(*xs, **kw)
 
     statics = dict(spec.statics)
@@ -504,7 +518,7 @@ def _pure(spec: _Spec) -> Callable[..., PyTree]:
     return pure
 
 
-def _freeze(v: Any) -> Any:
+def _freeze(v: object) -> object:
     """A static argument as a hashable value: lists become tuples (recursively)."""
     if isinstance(v, (list, tuple)):
         return tuple(_freeze(x) for x in v)
@@ -514,7 +528,7 @@ def _freeze(v: Any) -> Any:
 _NUMBERS = (int, float, bool)
 
 
-def _weak_numbers(ops: list[Any]) -> list[Any]:
+def _weak_numbers(ops: Operands) -> Operands:
     """Python numbers as arrays of the dtype JAX's weak typing gives them next to the other operands.
 
     A session makes a number operand an array of its own (its first handle operand's dtype, else the default
@@ -527,7 +541,7 @@ def _weak_numbers(ops: list[Any]) -> list[Any]:
     return [jnp.asarray(o, jnp.result_type(*dtypes, o)) if type(o) in _NUMBERS else o for o in ops]
 
 
-def _is_default(v: Any, d: Any) -> bool:
+def _is_default(v: object, d: object) -> bool:
     try:
         return type(v) is type(d) and bool(v == d)
     except Exception:
@@ -552,10 +566,10 @@ class _Function:
             f = self.lifted = lift(self.pure, name=self.opname, static_argnames=statics)
         return f
 
-    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+    def __call__(self, *args: object, **kwargs: object) -> PyTree:
         return self.call(args, kwargs, always=False)
 
-    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, always: bool) -> PyTree:
+    def call(self, args: tuple[object, ...], kwargs: dict[str, object], *, always: bool) -> PyTree:
         """The call; with ``always``, operands that are all plain arrays record on the current session too."""
         spec = self.spec
         try:
@@ -564,7 +578,7 @@ class _Function:
             raise TypeError(f"{spec.qualname}: {e}") from None
         given = bound.arguments
         if spec.name == "einsum":
-            ops: list[Any] = list(given.get("operands", ()))
+            ops: Operands = list(given.get("operands", ()))
         elif spec.sequence:
             seq = given[spec.operands[0]]
             if isinstance(seq, _HANDLES) or hasattr(seq, "shape"):
@@ -605,7 +619,7 @@ class _Function:
             return f(*[o for o in ops if o is not None], present=present, **statics)
         return f(*ops, **statics)
 
-    def plain(self, ops: list[Any], statics: dict[str, Any]) -> PyTree:
+    def plain(self, ops: Operands, statics: Statics) -> PyTree:
         spec = self.spec
         if spec.name == "einsum":
             return spec.source(statics.pop("subscripts"), *ops, **statics)
@@ -638,7 +652,7 @@ def _doc(spec: _Spec, opname: str, source_doc: str | None) -> str:
 def _make(spec: _Spec, opname: str) -> Callable[..., PyTree]:
     impl = _Function(spec, opname)
 
-    def function(*args: Any, **kwargs: Any) -> PyTree:
+    def function(*args: object, **kwargs: object) -> PyTree:
         return impl(*args, **kwargs)
 
     function.__signature__ = impl.sig  # type: ignore[attr-defined]
@@ -712,7 +726,7 @@ linalg = Namespace("tfl.numpy.linalg", LINALG, LINALG_UNSUPPORTED)
 # are builtins' names, which the code above must keep
 
 
-def record(name: str, *args: Any, **kwargs: Any) -> Tensor:
+def record(name: str, *args: object, **kwargs: object) -> Tensor:
     """``tfl.numpy.<name>(*args, **kwargs)`` recorded as an op even when no operand is a Tensor or Param.
 
     Then it records on the session :func:`~tapeflow.apply` picks (the current
