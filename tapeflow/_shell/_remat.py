@@ -61,7 +61,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -78,12 +78,12 @@ from ._grads import sum_in_leaf_order
 from ._params import Param, Storage
 from ._session import Session, block_session
 from ._state import state_writes_refused
-from ._tensor import Tensor, session_of
+from ._tensor import Operand, Tensor, session_of
 from ._values import ParamSource, host_operand
 
 __all__ = ["Checkpointed", "checkpoint"]
 
-Block = Callable[..., Any]
+Block: TypeAlias = Callable[..., PyTree]
 """A function of Tensors (and static Python values) that records session ops and returns Tensor(s)."""
 
 
@@ -119,7 +119,7 @@ class _Args:
     """How to call the block: the structure of ``(args, kwargs)`` and its static leaves."""
 
     args: jax.tree_util.PyTreeDef  # structure of (args, kwargs), Tensors and Params as leaves
-    statics: tuple[Any, ...]  # the leaves, with None where a Tensor goes
+    statics: tuple[Hashable, ...]  # the leaves, with None where a Tensor goes
     slots: tuple[int, ...]  # positions of the Tensor leaves
 
 
@@ -416,12 +416,12 @@ class Checkpointed:
     def __repr__(self) -> str:
         return f"<checkpoint {self._core.label} op={self.op_name!r} traces={self.trace_count}>"
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         _purge()
         core = self._core
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_handle)
         slots = tuple(i for i, x in enumerate(leaves) if isinstance(x, (Tensor, np.ndarray, jax.Array)))
-        inputs: list[Any] = [leaves[i] for i in slots]
+        inputs: list[Tensor | np.ndarray | jax.Array] = [leaves[i] for i in slots]
         operand_at = set(slots)
         statics = tuple(None if i in operand_at else x for i, x in enumerate(leaves))
         for i, x in enumerate(statics):
@@ -452,7 +452,7 @@ class Checkpointed:
             raise TapeError(f"{core.label}: exact rational operands are not supported ({R.describe(in_specs)})")
         key = (treedef, tuple((type(x), x) for x in statics), in_specs, s.grad_enabled, _policy(s))
         t = core.trace_for(key, s, values, in_specs, _Args(treedef, statics, slots))
-        operands: list[Any] = [*inputs, *t.records]
+        operands: list[Operand] = [*inputs, *t.records]
         specs = list(t.specs)
         counter = s.rng_counter
         try:

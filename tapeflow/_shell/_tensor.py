@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextvars
 import math
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import jax
 import numpy as np
@@ -37,6 +37,7 @@ from numpy.typing import ArrayLike
 from .._core import _registry as R
 from .._core._node import PENDING
 from .._core._result import TapeError
+from .._core._treescope import Rendering, SubtreeRenderer
 from .._core._typing import Array, DTypeLike, NodeId, Shape
 from . import _render
 
@@ -626,7 +627,7 @@ class Tensor(TensorOps):
         x = self._scalar("format")
         return format(x.item(), spec)
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
         return _render.render_tensor(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- operators only handles have --------------------------------------------
@@ -736,7 +737,7 @@ def operand_shape(x: Operand) -> Shape:
     return tuple(int(d) for d in (np.shape(np.asarray(x)) if got is None else got))
 
 
-def session_of(operands: tuple[Operand, ...] | list[Operand], opname: str) -> Session:
+def session_of(operands: Sequence[Operand], opname: str) -> Session:
     """The session an op on ``operands`` records on (see the module docstring for the order)."""
     for o in operands:
         if isinstance(o, Tensor):

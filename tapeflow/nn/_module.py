@@ -22,13 +22,15 @@ import contextvars
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Self
+from typing import NamedTuple, Self
 
 import jax
 import numpy as np
 from numpy.typing import ArrayLike
 
 from .._core._registry import fmt_spec
+from .._core._treescope import Rendering, SubtreeRenderer
+from .._core._typing import PyTree
 from .._shell import _debug, _render
 from .._shell._params import Param, canonical_indices, tie
 from .._shell._state import note_mode_read
@@ -41,13 +43,13 @@ observing = 0
 """How many :func:`observe_calls` blocks are open, in any thread (``Module.__call__`` reads it per call)."""
 
 _observing_lock = threading.Lock()
-_OBSERVERS: contextvars.ContextVar[tuple[list[tuple[Module, Any]], ...]] = contextvars.ContextVar(
+_OBSERVERS: contextvars.ContextVar[tuple[list[tuple[Module, PyTree]], ...]] = contextvars.ContextVar(
     "tapeflow_module_observers", default=()
 )
 
 
 @contextmanager
-def observe_calls() -> Iterator[list[tuple[Module, Any]]]:
+def observe_calls() -> Iterator[list[tuple[Module, PyTree]]]:
     """A list that gets ``(module, output)`` for each :class:`Module` call returning inside the block.
 
     Only calls in this thread (or asyncio task) are noted, in the order they
@@ -63,7 +65,7 @@ def observe_calls() -> Iterator[list[tuple[Module, Any]]]:
     [('Linear', (4, 2))]
     """
     global observing
-    calls: list[tuple[Module, Any]] = []
+    calls: list[tuple[Module, PyTree]] = []
     token = _OBSERVERS.set((*_OBSERVERS.get(), calls))
     with _observing_lock:
         observing += 1
@@ -180,10 +182,10 @@ class Module:
         return self.train(False)
 
     # -- forward -----------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         if not _debug.tracking and not observing:
             return self.forward(*args, **kwargs)
         stack = _debug.module_stack() if _debug.tracking else None  # debug_nans: which module call recorded each op
@@ -450,5 +452,5 @@ class Module:
     def __repr__(self) -> str:
         return "\n".join(self._repr_lines("", {id(self): ""}))
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
         return _render.render_module(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])

@@ -17,10 +17,11 @@ import html
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 
+from .._core._typing import PyTree
 from .._shell._commit import commit
 from .._shell._params import Param, Storage
 from .._shell._session import Session
@@ -115,7 +116,7 @@ class Summary:
         return f"<table><thead>{tr(HEADER, 'th')}</thead><tbody>{body}</tbody><tfoot>{foot}</tfoot></table>"
 
 
-def summary(model: Module, *example_inputs: Any, **example_kwargs: Any) -> Summary:
+def summary(model: Module, *example_inputs: PyTree, **example_kwargs: PyTree) -> Summary:
     """Run ``model(*example_inputs, **example_kwargs)`` once and tabulate its modules and parameters.
 
     The call runs in a fresh inference session of summary's own
@@ -184,13 +185,13 @@ def summary(model: Module, *example_inputs: Any, **example_kwargs: Any) -> Summa
     )
 
 
-def _run(model: Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Module, Any]]:
+def _run(model: Module, args: tuple[PyTree, ...], kwargs: dict[str, PyTree]) -> list[tuple[Module, PyTree]]:
     """The model's calls on summary's own session (run in a copy of the caller's context)."""
     cells = {id(p.storage): p.storage for _, p in model.parameter_records() if not p.trainable}
     before = {k: st.read_current() for k, st in cells.items()}
     s = Session(grad_enabled=False, lazy=True)
 
-    def enter(x: Any) -> Any:
+    def enter(x: object) -> object:
         return s.input(x.value) if isinstance(x, Tensor) else x
 
     is_leaf = lambda x: isinstance(x, (Tensor, Param))  # noqa: E731  (a Param stays itself, not its value)
@@ -251,7 +252,7 @@ def _size(st: Storage) -> tuple[int, int]:
     return n, n * st.dtype.itemsize
 
 
-def _shape_text(out: Any) -> str:
+def _shape_text(out: object) -> str:
     """A call's output as shapes: ``(2, 8)``, ``[(2, 8), (2,)]``, ``{'h': (2, 8)}``; anything else by type."""
     if isinstance(out, (tuple, list)):
         return "[" + ", ".join(map(_shape_text, out)) + "]"
