@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import Protocol
 
+from .._core._typing import PyTree
 from ._meta import CheckpointError
 
 __all__: list[str] = []
@@ -49,7 +51,17 @@ def short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:300]}{'...' if len(msg) > 300 else ''}"
 
 
-def checkpointer() -> Any:
+class Checkpointer(Protocol):
+    """What tapeflow uses of orbax's ``Checkpointer`` (orbax ships no type information): a context manager
+    that saves and restores a ``Composite`` of items in a checkpoint directory."""
+
+    def __enter__(self) -> Checkpointer: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def save(self, directory: str, *, args: object) -> None: ...
+    def restore(self, directory: str, *, args: object) -> Mapping[str, PyTree]: ...
+
+
+def checkpointer() -> Checkpointer:
     ocp = import_orbax()
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 

@@ -31,7 +31,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import jax
 import numpy as np
@@ -76,6 +76,16 @@ class RationalFallbackWarning(UserWarning):
 _NATIVE = (np.ndarray, np.generic, jax.Array, bool, int, float, complex, list, tuple, Fraction)
 
 
+class _TorchTensor(Protocol):
+    """What :func:`foreign_array` reads of a ``torch.Tensor`` (torch is optional: not imported for types)."""
+
+    requires_grad: bool
+
+    def detach(self) -> _TorchTensor: ...
+    def view(self, dtype: object) -> _TorchTensor: ...
+    def numpy(self) -> np.ndarray: ...
+
+
 def foreign_array(x: object, where: str) -> object:
     """``x`` itself, or another framework's array as NumPy data: the one rule for values from outside JAX.
 
@@ -92,7 +102,7 @@ def foreign_array(x: object, where: str) -> object:
     if x is None or isinstance(x, _NATIVE):
         return x
     if type(x).__module__.split(".")[0] == "torch":
-        t: Any = x  # a torch.Tensor (torch is optional: not imported to check)
+        t = cast("_TorchTensor", x)  # torch is optional: not imported to check
         device = getattr(t, "device", None)
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             raise TapeError(

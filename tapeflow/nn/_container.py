@@ -23,21 +23,21 @@ __all__ = ["ModuleDict", "ModuleList", "Sequential"]
 class _Container(Module):
     """Shared storage and discovery: entries in ``self.__dict__["_entries"]`` (name -> module or callable)."""
 
-    def _store(self, entries: Iterable[tuple[str, Any]]) -> None:
+    def _store(self, entries: Iterable[tuple[str, object]]) -> None:
         self.__dict__["_entries"] = {}
         for k, m in entries:
             self._put(str(k), m)
 
-    def _put(self, name: str, m: Any) -> None:
+    def _put(self, name: str, m: object) -> None:
         self._check(name, m)
         self._entries[name] = m
 
-    def _check(self, name: str, m: Any) -> None:
+    def _check(self, name: str, m: object) -> None:
         if not isinstance(m, Module):
             raise TypeError(f"{type(self).__name__}: entry {name!r} ({type(m).__name__}) is not a tfl.nn.Module")
 
     @property
-    def _entries(self) -> dict[str, Any]:
+    def _entries(self) -> dict[str, Any]:  # Modules (ModuleList, ModuleDict) or callables (Sequential)
         return self.__dict__.setdefault("_entries", {})
 
     def named_members(self) -> Iterator[tuple[str, Param | Module]]:
@@ -83,7 +83,7 @@ class Sequential(_Container):
         else:
             self._store((str(i), m) for i, m in enumerate(args))
 
-    def _check(self, name: str, m: Any) -> None:
+    def _check(self, name: str, m: object) -> None:
         if not callable(m):
             raise TypeError(f"Sequential: entry {name} ({type(m).__name__}) is not callable")
 

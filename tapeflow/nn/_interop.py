@@ -298,7 +298,7 @@ def nnx_state(module: Module) -> PyTree:
     >>> sorted(st["layers"]), st["layers"][1]["kernel"].shape  # nnx.Linear's: (in, out)
     ([0, 1], (4, 2))
     """
-    nested: dict[Any, Any] = {}
+    nested: dict[int | str, PyTree] = {}  # list indices as ints, as nnx.state gives them
     for key, arr in _export(module, "flax").items():
         parts: list[int | str] = [int(p) if p.isdigit() else p for p in key.split(".")]
         d = nested
