@@ -44,7 +44,7 @@ from .._shell._lazy import LazyGrads
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._state import StateLog, state_log_of
 from . import _step
-from ._slots import ParamCollection, SlotKey, records_of, slot_index_tree
+from ._slots import ParamCollection, SlotKey, non_trainable_of, records_of, slot_index_tree
 from ._step import SlotRule, StepCall, check_parts, finish
 
 __all__ = ["Optimizer", "ParamCollection", "SlotKey", "slot_index_tree"]
@@ -214,6 +214,7 @@ class Optimizer:
         self.lock = threading.RLock()  # steps from several threads run one after the other
         self._records, names = records_of(params)
         self._names = names
+        self._non_trainable = non_trainable_of(params)
         self._init_slots()
 
     @classmethod
@@ -266,6 +267,7 @@ class Optimizer:
             )
         base_name = getattr(base, "__qualname__", None) or repr(base)
         named: dict[str, Param] = {}  # every registration, under a distinct key (the Optimizer's params)
+        non_trainable: list[Param] = []  # the groups' modules' buffers and frozen Params
         owner: dict[int, tuple[int, str, Param]] = {}  # storage -> (its group, its key, its first Param)
         labels: dict[str, int] = {}  # slot key -> group
         transforms: dict[int, optax.GradientTransformation] = {}
@@ -281,6 +283,7 @@ class Optimizer:
                 recs, names = records_of(group["params"])
             except TypeError as e:
                 raise TypeError(f"{where}: group {g}: {e}") from e
+            non_trainable += non_trainable_of(group["params"])
             for j, p in enumerate(recs):
                 name = names[j] if names is not None else p.name
                 key = name if name and name not in named else _free_key(f"{g}.{j}", named)
@@ -306,7 +309,9 @@ class Optimizer:
                     f"are keyword arguments of base{_parameters_of(base)}, and values every group shares can "
                     "be given once: Optimizer.from_groups(groups, lr=1e-3)"
                 ) from e
-        return cls(optax.multi_transform(transforms, labels), named, check_finite=check_finite)
+        opt = cls(optax.multi_transform(transforms, labels), named, check_finite=check_finite)
+        opt._non_trainable = non_trainable
+        return opt
 
     def set_hyperparams(self, *, group: Hashable | None = None, **values: ArrayLike) -> None:
         """Change hyperparameters of an ``optax.inject_hyperparams`` transformation between steps.
@@ -450,6 +455,22 @@ class Optimizer:
     def records(self) -> list[Param]:
         """Every registration given to the optimizer (tied records included)."""
         return list(self._records)
+
+    @property
+    def non_trainable_params(self) -> list[Param]:
+        """The Params of the module(s) it was built from that it does not update: frozen Params, then buffers.
+
+        The forward reads them, and writes buffers such as BatchNorm's running
+        statistics, without a slot; :func:`~tapeflow.train_step` passes them to its
+        program as inputs from the first trace on. Empty for an optimizer built
+        from Params (a list or a dict), which names only what it trains.
+
+        >>> import optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.sgd(0.1), tfl.nn.BatchNorm1d(2))
+        >>> [p.name for p in opt.params], [p.name for p in opt.non_trainable_params]
+        (['weight', 'bias'], ['running_mean', 'running_var', 'num_batches_tracked'])
+        """
+        return list(self._non_trainable)
 
     @property
     def alias_layout(self) -> list[int | None]:

@@ -23,7 +23,7 @@ from optax.tree_utils import tree_map_params
 from .._core._typing import OptState, PyTree
 from .._shell._params import Param
 
-__all__ = ["NamedParameters", "ParamCollection", "SlotKey", "records_of", "slot_index_tree"]
+__all__ = ["NamedParameters", "ParamCollection", "SlotKey", "non_trainable_of", "records_of", "slot_index_tree"]
 
 SlotKey: TypeAlias = "str | int"
 """The key of one slot in the optax params pytree: the first name of its storage (mapping), else its position."""
@@ -70,6 +70,24 @@ def records_of(params: ParamCollection) -> tuple[list[Param], list[str] | None]:
             where = names[i] if names else f"position {i}"
             raise TypeError(f"Optimizer: {where} holds {type(p).__name__}, expected a tfl.Param")
     return recs, names
+
+
+def non_trainable_of(params: ParamCollection) -> list[Param]:
+    """The Params of a module that its optimizer gets no slot for: frozen parameters, then buffers.
+
+    A forward reads them (and writes buffers such as BatchNorm's running
+    statistics) without training them. A Param, a sequence or a mapping names
+    only what is trained: nothing.
+
+    >>> import tapeflow as tfl
+    >>> [p.name for p in non_trainable_of(tfl.nn.BatchNorm1d(2))]
+    ['running_mean', 'running_var', 'num_batches_tracked']
+    """
+    if not (hasattr(params, "named_parameters") and callable(params.named_parameters)):
+        return []
+    frozen = [p for _, p in params.named_parameters() if not getattr(p, "trainable", True)]
+    buffers = getattr(params, "named_buffers", None)
+    return frozen + ([p for _, p in buffers()] if callable(buffers) else [])
 
 
 def _below_params_root(x: object) -> bool:
