@@ -236,6 +236,44 @@ class TestCompileCount:
             step(x2, y2)
         assert step.trace_count == 2 and step.cache_size() == 2
 
+    @pytest.mark.parametrize("layers", ["batchnorm", "dropout", "both"])
+    def test_a_model_with_batchnorm_or_dropout_traces_once_per_shape(self, layers):
+        """Running statistics (read and written, no optimizer slot) and train/eval modes are known on the first trace."""
+        _, _, batch = make_mlp()
+
+        def build():
+            k1, k2 = jax.random.split(jax.random.key(0))
+            mods = [tfl.nn.Linear(12, 16, key=k1)]
+            mods += [tfl.nn.BatchNorm1d(16)] if layers != "dropout" else []
+            mods += [tfl.nn.Dropout(0.25)] if layers != "batchnorm" else []
+            return tfl.nn.Sequential(*mods, tfl.nn.Linear(16, 5, key=k2))
+
+        model, traced = build(), []
+
+        def loss_fn(s, x, y):
+            traced.append(x.shape)  # Python runs here once per trace
+            return tfl.cross_entropy(model(x), y)
+
+        step = tfl.train_step(loss_fn, tfl.Optimizer(optax.sgd(0.1), model))
+        batches = [batch(k) for k in range(3)]
+        losses = [float(step(x, y)) for x, y in batches]
+        assert step.trace_count == len(traced) == 1 and step.cache_size() == 1
+        after = [(n, np.asarray(p.value)) for n, p in model.parameter_records()]
+        step(*batch(3, size=8))  # a new shape: one more trace
+        assert step.trace_count == len(traced) == 2
+        model.eval()
+        step(*batches[0])  # eval mode is its own program; back in train mode the first one serves again
+        model.train()
+        step(*batches[0])
+        assert step.trace_count == len(traced) == 3 and step.cache_size() == 3
+        if layers == "batchnorm":  # no random masks: the eager loop is the oracle, running statistics included
+            # (sgd: the bias before BatchNorm has a gradient of rounding noise, which adam would scale up)
+            ref = build()
+            ref_losses, _ = eager_train(ref, lambda s, x, y: tfl.cross_entropy(ref(x), y), optax.sgd(0.1), batches)
+            assert max_abs_diff(losses, ref_losses) <= TOL
+            for (n, got), (_, p) in zip(after, ref.parameter_records(), strict=True):
+                assert max_abs_diff(got, p.value) <= TOL, n
+
     def test_new_dtype_recompiles(self):
         params, loss_fn, batch = make_mlp()
         step = tfl.train_step(loss_fn, tfl.Optimizer(optax.sgd(1e-3), params))

@@ -295,7 +295,7 @@ def _log_signature(
 
 
 class _Retrace(Exception):
-    """Raised inside a trace that read Params the optimizer does not own (it carries them) or modes not yet keyed."""
+    """Raised inside a trace that read Params the optimizer does not own and the step did not pass (it carries them)."""
 
     def __init__(self, storages: tuple[Storage, ...]) -> None:
         super().__init__(f"{len(storages)} storage(s) to pass as arguments")
@@ -411,11 +411,18 @@ class TrainStep:
         self._param_specs = dict(param_specs or {})
         self._log_key = object()  # counts this step's compiles in the compile log (holds nothing)
         self._make_programs()
-        self._extra: tuple[Storage, ...] = ()  # Params read but not owned by the optimizer
+        # Params read but not owned by the optimizer: program inputs, never constants. The optimizer's
+        # module's buffers and frozen Params are inputs from the first trace on, so that trace needs no
+        # second one to take them as inputs; a trace that reads others raises _Retrace
+        slots = set(optimizer.storages)
+        known = (p.storage for p in optimizer.non_trainable_params)
+        self._extra: tuple[Storage, ...] = tuple(dict.fromkeys(st for st in known if st not in slots))
         self._state_cells: dict[int, Storage] = {}  # uid -> storage of every state cell a trace assigned
         # modules whose train/eval mode a trace read (weakly): programs are keyed by their current modes
         self._moded: list[weakref.ref[ModeOwner]] = []
-        self._mode_retrace = True  # a trace may ask for one retrace per call to key on newly read modes
+        # the modes of the noted modules -> the modes argument a program for them was traced with: a trace
+        # that reads a module's mode for the first time was keyed without it, and serves that mode after it
+        self._mode_keys: dict[tuple[tuple[int, bool], ...], tuple[tuple[int, bool], ...]] = {}
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
@@ -525,10 +532,10 @@ class TrainStep:
         new = tuple(st for st in s.unlisted_storages if st not in self._extra)
         known = {id(r()) for r in self._moded}
         moded = [weakref.ref(m) for i, m in reads.items() if i not in known]
-        self._moded += moded  # keyed from the next program on (a module made inside loss_fn dies and drops out)
-        # Params the optimizer does not own: trace again with them as arguments, never as constants;
-        # modes read for the first time: trace again (once per call) with them in the program's key
-        if new or (moded and self._mode_retrace):
+        if moded:  # keyed from the next call on (a module made inside loss_fn dies and drops out)
+            self._moded += moded
+            self._mode_keys[self._modes()] = modes  # the modes now are the ones this trace read
+        if new:  # Params the optimizer does not own: trace again with them as arguments, never as constants
             raise _Retrace(new)
         self._signatures.add(signature)
         grads = s.backward(loss)
@@ -740,7 +747,6 @@ class TrainStep:
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         extra = self._extra
         extra_values = self._read_extra(extra) if extra else []
-        self._mode_retrace = True
         run: Callable[..., Any] = self._jitted.lower if lower else self._compiled
         while True:
             try:
@@ -753,13 +759,12 @@ class TrainStep:
                     static,
                     bool(opt.check_finite) or self.debug_nans,
                     extra_values,
-                    self._modes() if self._moded else (),
+                    self._mode_key() if self._moded else (),
                     self.debug_nans,
                 )
                 break
             except _Retrace as r:  # raised while tracing: nothing ran, nothing was donated
                 extra = self._extra = extra + r.storages
-                self._mode_retrace = False
                 extra_values = self._read_extra(extra)
             except Exception as e:
                 if self.donate and any(isinstance(v, jax.Array) and v.is_deleted() for v in values):
@@ -822,6 +827,11 @@ class TrainStep:
             self.loss_fn, self.has_aux, overrides, key, args, kwargs, self.compute_dtype, self.debug_nans
         )
         return _origin_error(message, rerun)
+
+    def _mode_key(self) -> tuple[tuple[int, bool], ...]:
+        """The modes argument of a call: :meth:`_modes`, or the modes a program serving them was traced with."""
+        modes = self._modes()
+        return self._mode_keys.get(modes, modes)
 
     def _modes(self) -> tuple[tuple[int, bool], ...]:
         """The program key of the modes: ``(id, training)`` of each live module a trace read the mode of."""
@@ -900,7 +910,13 @@ def train_step(loss_fn: LossFn, optimizer: Optimizer, **options: Unpack[TrainSte
     (never constants) and outputs of the program: their new values are
     installed together with the parameters and the optimizer state, and a step
     that fails (an exception, or a non-finite gradient with ``check_finite``)
-    leaves them unchanged, as it leaves the parameters.
+    leaves them unchanged, as it leaves the parameters. Every Param ``loss_fn``
+    reads that the optimizer does not update is such an input: the buffers
+    and frozen Params of a module the optimizer was built from
+    (:attr:`Optimizer.non_trainable_params`) from the first trace on, so a
+    model with BatchNorm or Dropout traces once per signature. Any other
+    (the buffers of a model whose optimizer got a list of its Params) is found
+    by the step's first trace, which then runs once more with it as an input.
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array(3.0), name="w")
