@@ -6,9 +6,14 @@ together (so an error's ``file:line`` names that script and a line of it, counte
 over the blocks in order), with what users get by default (x64 off). The ```text block that directly follows a python
 block (only blank lines between them) becomes what that block printed; a python
 block not followed by one must print nothing. A printed line longer than ``WIDTH``
-(what a code block shows at the theme's default width) is wrapped at spaces, its
+(what a code block shows, clear of its copy button, at 1280 px) is wrapped at spaces, its
 continuation lines indented two spaces more than it, so nothing scrolls out of view.
 ``tests/test_docs.py`` checks that every such page is up to date.
+
+A page whose output depends on what ran before in the process (the owner ids of
+sessions, counted per process) says so in its marker,
+``<!-- outputs: NAME.py in a fresh process -->``: its script then runs in a new
+interpreter, as a user runs it, also when the test suite checks the page.
 
 Usage::
 
@@ -20,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-MARKER = re.compile(r"<!-- outputs: ([\w.-]+\.py) -->")
+MARKER = re.compile(r"<!-- outputs: ([\w.-]+\.py)( in a fresh process)? -->")
 BLOCK = re.compile(r"```python\n(.*?)```(\n\s*\n```text\n(.*?)```)?", re.S)
-WIDTH = 88  # characters of a code block line the text column shows (tests/test_docs_layout.py)
+WIDTH = 77  # characters a code block shows left of its copy button at 1280 px (tests/test_docs_layout.py)
 
 
 def wrap(printed: str, width: int = WIDTH) -> str:
@@ -57,14 +63,31 @@ def script_name(text: str) -> str | None:
     return None if m is None else m.group(1)
 
 
+def fresh_process(text: str) -> bool:
+    """Whether a page's marker asks for its script to run in a new interpreter."""
+    m = MARKER.search(text)
+    return m is not None and m.group(2) is not None
+
+
 def render(path: Path) -> str:
     """``path``'s text with every output block replaced by what its python block printed now."""
-    import jax
-
     text = path.read_text()
     name = script_name(text)
     if name is None:
         raise ValueError(f"{path}: no '<!-- outputs: NAME.py -->' marker")
+    if fresh_process(text):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--print", str(path)], capture_output=True, text=True, timeout=600
+        )
+        if proc.returncode:
+            raise AssertionError(f"{path}: its script failed in a fresh process:\n{proc.stderr}")
+        return proc.stdout
+    return _render_here(path, text, name)
+
+
+def _render_here(path: Path, text: str, name: str) -> str:
+    import jax
+
     ns: dict[str, object] = {"__name__": "__main__"}
     pieces: list[str] = []
     last = 0
@@ -90,6 +113,11 @@ def render(path: Path) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--print"]:  # render's fresh process: the page's text, written to nothing
+        page = Path(sys.argv[2])
+        text = page.read_text()
+        sys.stdout.write(_render_here(page, text, script_name(text) or ""))
+        sys.exit(0)
     for arg in sys.argv[1:]:
         page = Path(arg)
         page.write_text(render(page))

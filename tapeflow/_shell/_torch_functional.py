@@ -151,7 +151,8 @@ def linear(input: Operand, weight: Operand, bias: Operand | None = None) -> Tens
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.linear(s.input(jnp.ones((2, 3))), jnp.ones((4, 3)), jnp.ones(4)).tolist()[0]
+    ...     x = s.input(jnp.ones((2, 3)))
+    ...     tfl.linear(x, jnp.ones((4, 3)), jnp.ones(4)).tolist()[0]
     [4.0, 4.0, 4.0, 4.0]
     """
     if len(operand_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
@@ -306,7 +307,8 @@ def conv_transpose2d(
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
     ...     x = s.input(jnp.ones((1, 2, 3, 3)))
-    ...     F.conv_transpose2d(x, jnp.ones((2, 4, 3, 3)), stride=2, padding=1).shape
+    ...     w = jnp.ones((2, 4, 3, 3))
+    ...     F.conv_transpose2d(x, w, stride=2, padding=1).shape
     (1, 4, 5, 5)
     """
     op = "conv_transpose2d"
@@ -548,7 +550,8 @@ def max_pool2d(
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.max_pool2d(s.input(jnp.arange(16.0).reshape(1, 1, 4, 4)), 2).tolist()
+    ...     x = s.input(jnp.arange(16.0).reshape(1, 1, 4, 4))
+    ...     tfl.max_pool2d(x, 2).tolist()
     [[[[5.0, 7.0], [13.0, 15.0]]]]
     """
     return _max_pool_nd("max_pool2d", 2, input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
@@ -670,7 +673,8 @@ def adaptive_avg_pool1d(input: Operand, output_size: int | Sequence[int]) -> Ten
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
-    ...     F.adaptive_avg_pool1d(s.input(jnp.arange(5.0).reshape(1, 5)), 2).tolist()
+    ...     x = s.input(jnp.arange(5.0).reshape(1, 5))
+    ...     F.adaptive_avg_pool1d(x, 2).tolist()
     [[1.0, 3.0]]
     """
     xs = operand_shape(input)
@@ -1037,7 +1041,8 @@ def elu(input: Operand, alpha: float = 1.0, inplace: bool = False) -> Tensor:
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
-    ...     [round(v, 4) for v in F.elu(s.input(jnp.array([-1.0, 2.0]))).tolist()]
+    ...     x = s.input(jnp.array([-1.0, 2.0]))
+    ...     [round(v, 4) for v in F.elu(x).tolist()]
     [-0.6321, 2.0]
     """
     _float_input("elu", input)
@@ -1232,7 +1237,8 @@ def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
-    ...     F.pad(s.input(jnp.array([[1.0, 2.0, 3.0]])), (2, 1), mode="reflect").tolist()
+    ...     x = s.input(jnp.array([[1.0, 2.0, 3.0]]))
+    ...     F.pad(x, (2, 1), mode="reflect").tolist()
     [[3.0, 2.0, 1.0, 2.0, 3.0, 2.0]]
     """
     xs = operand_shape(input)
@@ -1528,7 +1534,8 @@ def cross_entropy(
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     float(tfl.cross_entropy(s.input(jnp.zeros((2, 4))), jnp.array([1, 3])))
+    ...     x = s.input(jnp.zeros((2, 4)))
+    ...     float(tfl.cross_entropy(x, jnp.array([1, 3])))
     1.3862943649291992
     """
     op = "cross_entropy"
@@ -1629,7 +1636,8 @@ def mse_loss(
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
-    ...     float(F.mse_loss(s.input(jnp.array([1.0, 3.0])), jnp.array([0.0, 0.0])))
+    ...     x = s.input(jnp.array([1.0, 3.0]))
+    ...     float(F.mse_loss(x, jnp.array([0.0, 0.0])))
     5.0
     """
     red = _reduction("mse_loss", size_average, reduce, reduction)
@@ -1657,7 +1665,8 @@ def l1_loss(
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
-    ...     float(F.l1_loss(s.input(jnp.array([1.0, -3.0])), jnp.array([0.0, 0.0])))
+    ...     x = s.input(jnp.array([1.0, -3.0]))
+    ...     float(F.l1_loss(x, jnp.array([0.0, 0.0])))
     2.0
     """
     red = _reduction("l1_loss", size_average, reduce, reduction)
@@ -1770,7 +1779,8 @@ def binary_cross_entropy_with_logits(
     >>> import tapeflow.nn.functional as F
     >>> with tfl.Session() as s:
     ...     x = s.input(jnp.array([0.0]))
-    ...     round(float(F.binary_cross_entropy_with_logits(x, jnp.array([1.0]))), 4)
+    ...     loss = F.binary_cross_entropy_with_logits(x, jnp.array([1.0]))
+    ...     round(float(loss), 4)
     0.6931
     """
     op = "binary_cross_entropy_with_logits"

@@ -675,7 +675,8 @@ def unbind(input: Operand, dim: int = 0) -> tuple[Tensor, ...]:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     [p.tolist() for p in s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]])).unbind(1)]
+    ...     x = s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+    ...     [p.tolist() for p in x.unbind(1)]
     [[1.0, 3.0], [2.0, 4.0]]
     """
     shape = operand_shape(input)
@@ -734,7 +735,8 @@ def scatter_add(input: Operand, dim: int, index: Operand, src: Operand) -> Tenso
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
     ...     x = s.input(jnp.zeros(3))
-    ...     x.scatter_add(0, jnp.array([0, 2, 0]), jnp.array([1.0, 2.0, 3.0])).tolist()
+    ...     src = jnp.array([1.0, 2.0, 3.0])
+    ...     x.scatter_add(0, jnp.array([0, 2, 0]), src).tolist()
     [4.0, 0.0, 2.0]
     """
     shape, ishape, sshape = operand_shape(input), operand_shape(index), operand_shape(src)
@@ -1042,7 +1044,8 @@ def _unary(name: str, op: str, summary: str, example: str, result: str) -> Calla
     fn.__module__ = __name__
     fn.__doc__ = (
         f"{summary}\n\n    >>> import jax.numpy as jnp, tapeflow as tfl\n    >>> with tfl.Session() as s:\n"
-        f"    ...     [round(v, 4) for v in s.input(jnp.array({example})).{name}().tolist()]\n    {result}\n"
+        f"    ...     x = s.input(jnp.array({example}))\n"
+        f"    ...     [round(v, 4) for v in x.{name}().tolist()]\n    {result}\n"
     )
     return fn
 
@@ -1164,7 +1167,8 @@ def maximum(input: Operand, other: Operand) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     s.input(jnp.array([1.0, 5.0])).maximum(jnp.array([3.0, 3.0])).tolist()
+    ...     x = s.input(jnp.array([1.0, 5.0]))
+    ...     x.maximum(jnp.array([3.0, 3.0])).tolist()
     [3.0, 5.0]
     """
     return apply("maximum", *promote((input, other)))
@@ -1176,7 +1180,8 @@ def minimum(input: Operand, other: Operand) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     s.input(jnp.array([1.0, 5.0])).minimum(jnp.array([3.0, 3.0])).tolist()
+    ...     x = s.input(jnp.array([1.0, 5.0]))
+    ...     x.minimum(jnp.array([3.0, 3.0])).tolist()
     [1.0, 3.0]
     """
     return apply("minimum", *promote((input, other)))
@@ -1352,7 +1357,8 @@ def outer(input: Operand, vec2: Operand) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.outer(s.input(jnp.array([1.0, 2.0])), jnp.array([1.0, 3.0])).tolist()
+    ...     x = s.input(jnp.array([1.0, 2.0]))
+    ...     tfl.outer(x, jnp.array([1.0, 3.0])).tolist()
     [[1.0, 3.0], [2.0, 6.0]]
     """
     if len(operand_shape(input)) != 1 or len(operand_shape(vec2)) != 1:
@@ -1366,7 +1372,8 @@ def einsum(equation: str, *operands: Operand | Sequence[Operand]) -> Tensor:
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.einsum("ij,j->i", s.input(jnp.ones((2, 3))), jnp.ones(3)).tolist()
+    ...     x = s.input(jnp.ones((2, 3)))
+    ...     tfl.einsum("ij,j->i", x, jnp.ones(3)).tolist()
     [3.0, 3.0]
     """
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
@@ -1491,7 +1498,8 @@ def max(
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
     ...     x = s.input(jnp.array([[1.0, 5.0], [4.0, 2.0]]))
-    ...     float(x.max()), x.max(1).indices.tolist(), x.max(jnp.full((2, 2), 3.0)).tolist()
+    ...     other = jnp.full((2, 2), 3.0)
+    ...     float(x.max()), x.max(1).indices.tolist(), x.max(other).tolist()
     (5.0, [1, 0], [[3.0, 5.0], [4.0, 3.0]])
     """
     d, k = _red("max", dim, axis, keepdim, keepdims)  # type: ignore[arg-type]
