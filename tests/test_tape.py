@@ -824,9 +824,15 @@ def test_to_dot_names_leaves_and_draws_the_storages_they_read():
     assert any(ln.startswith(f'n{b} [label="#{b} leaf W_dec (tied)') for ln in lines)
     assert any(ln.startswith(f'n{c} [label="#{c} leaf b\\n') for ln in lines)
     assert lines.count('s0 [label="W storage", shape=cylinder, style=filled, fillcolor="#fde7d9"];') == 1
-    assert f's0 -> n{a} [style=dashed, color="#c2410c", label="cotangents summed"];' in lines
-    assert f's0 -> n{b} [style=dashed, color="#c2410c", label="cotangents summed"];' in lines
-    assert f's1 -> n{c} [style=dashed, color="#c2410c"];' in lines  # one reader: not tied
+    # the gradient edges point the way their label says: from each leaf's cotangent into the storage
+    # (dir=back draws the arrowhead at the storage, which stays ranked above the leaves)
+    assert f's0 -> n{a} [dir=back, style=dashed, color="#c2410c", label="cotangents summed"];' in lines
+    assert f's0 -> n{b} [dir=back, style=dashed, color="#c2410c", label="cotangents summed"];' in lines
+    assert f's1 -> n{c} [dir=back, style=dashed, color="#c2410c"];' in lines  # one reader: not tied
+    legend = [ln for ln in lines if ln.startswith("legend [")]
+    assert len(legend) == 1 and "solid arrows: values, forward" in legend[0]
+    assert "dashed arrows: cotangents, backward" in legend[0]
+    assert "legend" not in t.to_dot()  # no storage drawn: no dashed arrow to explain
     html = t._repr_html_(labels={a: "W"}, storages={a: "W storage", b: "W storage"})
     assert "<th>name</th><th>storage</th>" in html and "<td>W</td><td>W storage (tied)</td>" in html
     assert "<th>name</th>" not in t._repr_html_()  # without labels: the table as before

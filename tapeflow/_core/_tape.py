@@ -164,9 +164,12 @@ class Tape:
 
         ``labels`` names leaves (node id -> name, e.g. a Param's name) and
         ``storages`` the storage a leaf reads (node id -> storage label): each
-        storage is drawn once, as a cylinder with a dashed edge to every leaf
-        that reads it; a storage read by more than one leaf is *tied*, its
-        edges say "cotangents summed" and its leaves are marked ``tied``.
+        storage is drawn once, as a cylinder, with a dashed edge from every leaf
+        that reads it pointing into it: the way its gradient flows, the leaves'
+        cotangents into the storage. A storage read by more than one leaf is
+        *tied*, its edges say "cotangents summed" and its leaves are marked
+        ``tied``. A legend then tells the solid arrows (values, forward) from
+        the dashed ones (cotangents, backward).
         :meth:`Session.to_dot <tapeflow.Session.to_dot>` fills both from its
         Params.
 
@@ -201,7 +204,15 @@ class Tape:
             lines.append(f'  s{k} [label="{_dot_escape(storage)}", shape=cylinder, style=filled, fillcolor="#fde7d9"];')
             note = ', label="cotangents summed"' if len(ids) > 1 else ""
             for i in ids:
-                lines.append(f'  s{k} -> n{i} [style=dashed, color="#c2410c"{note}];')
+                # dir=back: the arrow points into the storage (backward) while the storage stays
+                # ranked above the leaves that read it (forward)
+                lines.append(f'  s{k} -> n{i} [dir=back, style=dashed, color="#c2410c"{note}];')
+        if readers:
+            lines.append(
+                '  legend [shape=note, color="#888888", label="solid arrows: values, forward\\l'
+                'dashed arrows: cotangents, backward,\\linto the storage a leaf read\\l"];'
+            )
+            lines.append("  {rank=same; s0; legend;}")
         lines.append("}")
         return "\n".join(lines)
 
