@@ -235,6 +235,27 @@ def command_line(run: Run) -> str:
     return shlex.join(["python", *run.command])
 
 
+CODE_WIDTH = 77  # characters a docs code block shows clear of its copy button (docs/ruff.toml)
+
+
+def shell_lines(cmd: str, width: int = CODE_WIDTH) -> str:
+    """``cmd`` continued onto new lines (``\\``) where it would pass ``width``, an option with its value."""
+    groups: list[str] = []
+    for word in shlex.split(cmd):
+        if word.startswith("-") or not groups:
+            groups.append(shlex.quote(word))
+        else:
+            groups[-1] += " " + shlex.quote(word)
+    lines = [groups[0]]
+    for g in groups[1:]:
+        if len(lines[-1]) + 1 + len(g) + 2 > width:
+            lines[-1] += " \\"
+            lines.append("    " + g)
+        else:
+            lines[-1] += " " + g
+    return "\n".join(lines)
+
+
 def caption(runs: Iterable[Run]) -> str:
     """One line per results file: benchmark, date, (quick), CPU, versions."""
     lines = []
@@ -391,14 +412,16 @@ def draw_panels(
     """Stack ``panels`` in one chart ``FIG_W`` inches wide, each as tall as its rows; heading and caption around."""
     cap = caption_lines(runs)
     head_in = 0.3 + 0.22 * heading.count("\n")
+    # the ticks' legend goes under the heading, above the bars it explains (at the foot of a tall
+    # chart nobody connects it with them)
     legend_in = 0.3 if any(p.marker for p in panels) else 0.0
     cap_in = 0.12 + 0.19 * len(cap)
     pane_in = [p.row_in() * len(p.rows()) for p in panels]
     gap_in = 0.95  # x label, ticks and the next title
-    fig_h = head_in + sum(pane_in) + gap_in * len(panels) + legend_in + cap_in
+    fig_h = head_in + legend_in + sum(pane_in) + gap_in * len(panels) + cap_in
     fig = plt.figure(figsize=(FIG_W, fig_h))
     fig.text(0.5 / FIG_W, 1 - 0.12 / fig_h, heading, fontsize=FONT, va="top", ha="left")
-    top = fig_h - head_in - 0.3
+    top = fig_h - head_in - legend_in - 0.3
     marked_any = None
     for p, h in zip(panels, pane_in):
         ax = fig.add_axes((LEFT_IN / FIG_W, (top - h) / fig_h, 1 - (LEFT_IN + RIGHT_IN) / FIG_W, h / fig_h))
@@ -411,9 +434,9 @@ def draw_panels(
             handles,
             labels,
             fontsize=SMALL,
-            loc="lower left",
+            loc="upper left",
             frameon=False,
-            bbox_to_anchor=(0.5 / FIG_W, (cap_in + 0.02) / fig_h),
+            bbox_to_anchor=(0.4 / FIG_W, 1 - (head_in - 0.02) / fig_h),
         )
     for k, line in enumerate(cap):
         fig.text(
@@ -552,7 +575,10 @@ def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
 
     def text(m: str, v: str) -> str | None:
         r = recs.get((m, v))
-        return None if r is None or r.time_us is None else fmt_us(r.time_us)
+        if r is None or r.time_us is None:
+            return None
+        b = base.get((m, v))
+        return fmt_us(r.time_us) + ("" if b is None else f" (tick: {fmt_us(b)})")
 
     def ovalue(m: str, v: str) -> float | None:
         return over.get((m, v))
@@ -572,7 +598,7 @@ def plot_per_op(runs: Sequence[Run], out_dir: Path) -> Path | None:
             "µs per op" + (" (log scale)" if log else ""),
             log,
             lambda m, v: base.get((m, v)),
-            f"{base_name} (same run)",
+            f"black tick: the same op as a {base_name}, in the same run (its time in brackets)",
         )
     ]
     if over_ops:
@@ -636,46 +662,88 @@ def train_table(runs: Sequence[Run]) -> str | None:
 
 
 def per_op_table(runs: Sequence[Run]) -> str | None:
+    """One table per set of variants the ops were timed with: a table of every variant of every op is
+    wider than the page, and most of its cells are empty (an op timed against ``jax.jit`` is not timed
+    in a lazy step, a lazy model not against ``jax.jit``)."""
     recs = collect(runs, PER_OP_SECTIONS)
     if not recs:
         return None
     ops = list(dict.fromkeys(m for m, _ in recs))
     variants = ordered(v for _, v in recs)
-    over_variants = [v for v in variants if any(baseline_time(r) is not None for (_, vv), r in recs.items() if vv == v)]
-    header = ["op", *(label(v) for v in variants), *(f"{label(v)} {MINUS} jax.jit" for v in over_variants)]
-    rows = []
+    by_set: dict[tuple[str, ...], list[str]] = {}
     for m in ops:
-        row = [m]
-        for v in variants:
-            r = recs.get((m, v))
-            row.append("" if r is None or r.time_us is None else fmt_us(r.time_us))
-        for v in over_variants:
-            r = recs.get((m, v))
-            b = None if r is None else baseline_time(r)
-            row.append("" if r is None or b is None else f"{(r.time_us or 0.0) - b:+.1f} µs")
-        rows.append(row)
+        by_set.setdefault(tuple(v for v in variants if (m, v) in recs), []).append(m)
+    tables = []
+    for shown, set_ops in by_set.items():
+        over_variants = [v for v in shown if any(baseline_time(recs[(m, v)]) is not None for m in set_ops)]
+        header = ["op", *(label(v) for v in shown), *(f"{label(v)} {MINUS} jax.jit" for v in over_variants)]
+        rows = []
+        for m in set_ops:
+            row = [m]
+            for v in shown:
+                r = recs[(m, v)]
+                row.append("" if r.time_us is None else fmt_us(r.time_us))
+            for v in over_variants:
+                r = recs[(m, v)]
+                b = baseline_time(r)
+                row.append("" if b is None else f"{(r.time_us or 0.0) - b:+.1f} µs")
+            rows.append(row)
+        tables.append(table(header, rows, ["l"] + ["r"] * (len(header) - 1)))
     return (
-        table(header, rows, ["l"] + ["r"] * (len(header) - 1))
+        "\n\n".join(tables)
         + "\n\nTime per op, and the difference to the same kernel called through `jax.jit` in the same run "
         "(the Python bookkeeping of recording the op; for the larger ops it is within the noise)."
     )
 
 
+MACHINE_KEYS = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", "cpu_dispatch", *VERSION_KEYS]
+LONG_CELL = 24  # characters: a longer value that differs between runs is a numbered note under the table
+
+
+def _machine_value(run: Run, key: str) -> str:
+    if key == "date":
+        return fmt_date(run.date)
+    if key == "quick run":
+        return "yes" if run.quick else "no"
+    v = run.machine.get(key)
+    if key == "xla_flags":
+        return f"`{v}`" if v else "(none)"
+    return "" if v is None else str(v)
+
+
 def machine_table(runs: Sequence[Run]) -> str:
+    """Where each run was measured: what all runs share in one line, then one row per run with the rest.
+
+    One column per run would be as wide as the runs are many; values longer than ``LONG_CELL`` (XLA
+    flags) are numbered notes under the table, so no cell is wider than the page.
+    """
     runs = sorted(runs, key=lambda r: (r.benchmark, str(r.path)))
-    keys = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", "cpu_dispatch", *VERSION_KEYS]
-    present = [k for k in keys if any(r.machine.get(k) not in (None, "") for r in runs)]
-    rows: list[list[Any]] = [["date", *(fmt_date(r.date) for r in runs)]]
-    rows.append(["quick run", *("yes" if r.quick else "no" for r in runs)])
-    for k in present:
-        if k == "xla_flags":
-            rows.append([k, *(f"`{r.machine[k]}`" if r.machine.get(k) else "(none)" for r in runs)])
-        else:
-            rows.append([k, *(r.machine.get(k, "") for r in runs)])
-    return table(["", *(r.benchmark for r in runs)], rows)
+    keys = ["date", "quick run", *(k for k in MACHINE_KEYS if any(r.machine.get(k) not in (None, "") for r in runs))]
+    values = {k: [_machine_value(r, k) for r in runs] for k in keys}
+    same = [k for k in keys if len(set(values[k])) == 1]
+    differ = [k for k in keys if k not in same]
+    notes: list[str] = []
+
+    def cell(v: str) -> str:
+        if len(v) <= LONG_CELL:
+            return v
+        if v not in notes:
+            notes.append(v)
+        return f"({notes.index(v) + 1})"
+
+    parts = []
+    if same:
+        parts.append("All runs: " + "; ".join(f"{k} {values[k][0] or '(none)'}" for k in same) + ".")
+    if differ:
+        rows = [[r.benchmark, *(cell(values[k][i]) for k in differ)] for i, r in enumerate(runs)]
+        parts.append(table(["run", *differ], rows))
+    if notes:
+        parts.append("\n".join(f"- ({i + 1}) {v}" for i, v in enumerate(notes)))
+    return "\n\n".join(parts)
 
 
 def all_results(run: Run) -> str:
+    """A run's every result; a column with one value in every row is a line above the table instead."""
     rows = []
     for row in run.results:
         if row.get("time_us") is not None:
@@ -695,7 +763,12 @@ def all_results(run: Run) -> str:
                 row.get("target", ""),
             ]
         )
-    return table(["section", "model", "variant", "time", "ratio", "target"], rows, ["l", "l", "l", "r", "r", "l"])
+    header = ["section", "model", "variant", "time", "ratio", "target"]
+    align = ["l", "l", "l", "r", "r", "l"]
+    keep = [c for c in range(len(header)) if len(rows) < 2 or len({r[c] for r in rows}) > 1 or c == 3]
+    fixed = [f"{header[c]}: {rows[0][c]}" for c in range(len(header)) if c not in keep and rows and rows[0][c] != ""]
+    body = table([header[c] for c in keep], [[r[c] for c in keep] for r in rows], [align[c] for c in keep])
+    return ("; ".join(fixed) + " (every row).\n\n" if fixed else "") + body
 
 
 def render_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
@@ -715,7 +788,7 @@ def render_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
         if body:
             parts.append(f"### {title}\n\n{body}")
     parts.append("### Measured on\n\n" + machine_table(runs))
-    cmds = "\n".join(command_line(r) for r in sorted(runs, key=lambda r: (r.benchmark, str(r.path))))
+    cmds = "\n".join(shell_lines(command_line(r)) for r in sorted(runs, key=lambda r: (r.benchmark, str(r.path))))
     parts.append("The commands that produced these results:\n\n```bash\n" + cmds + "\n```")
     parts.append("### All results")
     for run in sorted(runs, key=lambda r: (r.benchmark, str(r.path))):
