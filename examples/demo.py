@@ -13,7 +13,8 @@ Runs offline on scikit-learn's bundled digits (1,797 8x8 images):
     python examples/demo.py --lazy                # the same loop in a lazy session: one program per step
 
 At the end it times one training step three ways on the same model: the eager
-loop, the same loop in a lazy session, and one compiled ``tfl.train_step`` call.
+loop, the same loop in a lazy session, and one compiled ``tfl.train_step`` call
+(the median of 100 steps each, after a few untimed ones).
 
 Run time: about 20 s on one CPU core (a first run: later ones reuse the compilation cache).
 """
@@ -100,7 +101,9 @@ def compiles_shown_on(bar: Any, desc: str) -> Iterator[None]:
     (so out of its ETA): ``unpause()`` restarts the bar's clock once the compile is done."""
 
     def compiling(what: str) -> None:
-        named = "" if what.startswith("jax function") else f" {what.split(' (')[0]}"  # an op kernel, a program
+        # an op kernel or a program; the library names a step program after the lazy machinery that
+        # builds it, which an eager session's backward also runs: the bar names it for either mode
+        named = "" if what.startswith("jax function") else f" {what.split(' (')[0].removeprefix('lazy ')}"
         bar.set_description_str(f"compiling{named}", refresh=True)
 
     def compiled(record: tfl.CompileRecord) -> None:
@@ -203,14 +206,25 @@ def plot_history(history: dict[str, list[float]], path: str | Path) -> Path:
     return out
 
 
+WARMUP_STEPS = 5  # compiles, then a lazy session's replay (values only from its fourth recording on)
+
+
 def time_steps(step: Any, x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], n: int) -> float:
-    step(x[idx[0]], y[idx[0]])  # warm-up (compiles kernels)
-    t0 = time.perf_counter()
+    """The median time of one step over ``n`` steps, each waited for, after ``WARMUP_STEPS`` untimed ones.
+
+    A median, not a mean: on a shared machine a few steps are slowed by other work, and a mean of them
+    moved by several times from one run to the next.
+    """
+    for i in range(WARMUP_STEPS):
+        b = idx[i % len(idx)]
+        jax.block_until_ready(step(x[b], y[b]))
+    times = []
     for i in range(n):
         b = idx[i % len(idx)]
-        out = step(x[b], y[b])
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(x[b], y[b]))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 DEMO_EXTRA = (
@@ -303,13 +317,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     m_c, opt_c = make(args.seed + 1, args.lr)
     compiled = tfl.train_step(m_c.loss, opt_c)
-    t_eager = time_steps(loop_step(False), x_tr, y_tr, idx, 100)
-    t_lazy = time_steps(loop_step(True), x_tr, y_tr, idx, 300)
-    t_jit = time_steps(compiled, x_tr, y_tr, idx, 300)
-    print(
-        f"time per step: eager {t_eager * 1e3:.2f} ms, lazy {t_lazy * 1e3:.3f} ms, train_step {t_jit * 1e3:.3f} ms "
-        f"(lazy: {t_eager / t_lazy:.1f}x faster than eager, {t_lazy / t_jit:.2f}x train_step's time)"
-    )
+    n = 100
+    t_eager = time_steps(loop_step(False), x_tr, y_tr, idx, n)
+    t_lazy = time_steps(loop_step(True), x_tr, y_tr, idx, n)
+    t_jit = time_steps(compiled, x_tr, y_tr, idx, n)
+    print(f"time per step, the median of {n} steps of each:")
+    for name, t in (("eager loop", t_eager), ("lazy loop", t_lazy), ("train_step", t_jit)):
+        print(f"  {name:<11} {t * 1e3:6.3f} ms" + ("" if t is t_eager else f"  ({t / t_eager:.2f} of eager's)"))
 
     path = Path(args.checkpoint).resolve()
     tfl.save(path, model.records(), optimizer=opt, session=session, overwrite=True)
