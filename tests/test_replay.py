@@ -17,7 +17,7 @@ import pytest
 from test_lazy import char_lm, mlp, programs, tied_autoencoder
 
 import tapeflow as tfl
-import tapeflow._shell._session
+import tapeflow._shell._recorder
 from tapeflow import nn
 from tapeflow._core._tape import PENDING
 
@@ -583,7 +583,7 @@ def test_a_replayed_host_operand_with_the_same_values_reuses_its_leaf_value(mode
     _, v = step(np.array([0, 4, 2], np.int32))
     v.delete()  # a value someone deleted is never handed out again
     assert step(np.array([0, 4, 2], np.int32))[0] == float(expected[[0, 4, 2]].sum())
-    monkeypatch.setattr(tapeflow._shell._session, "_HOST_MEMO_SIZE", 2)  # past the memo's size: never reused
+    monkeypatch.setattr(tapeflow._shell._recorder, "_HOST_MEMO_SIZE", 2)  # past the memo's size: never reused
     for _ in range(2):
         a = step(np.array([1, 1, 1], np.int32))
     b = step(np.array([1, 1, 1], np.int32))

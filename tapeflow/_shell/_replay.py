@@ -147,7 +147,7 @@ class Event:
         self.checked = checked  # the operand specs and normalized attributes the op check saw (for host ids)
         self.kernel = kernel  # the op's compiled forward for these operand specs (an eager replay runs it)
         # per NumPy operand (HOST): the bytes of its last values, the leaf value they made and its device
-        # (Session._host_leaf reuses it for the same bytes)
+        # (Recorder.host_leaf reuses it for the same bytes)
         self.hosts: dict[int, tuple[bytes, Array, jax.Device | None]] = {}
         op = plan[-1][1]  # the op's node comes last
         self.out: tuple[Shape, np.dtype] = (op[5], op[6])  # its shape and dtype (the handle's)

@@ -1,11 +1,15 @@
 """The Session shell: the only mutable layer of tapeflow.
 
-A :class:`Session` holds one :class:`~tapeflow.Tape` value and replaces it as
-ops are recorded. It also owns the generation counter that makes old
-:class:`~tapeflow.Tensor` handles stale after :meth:`Session.reset`, a
-process-unique owner id, a seeded RNG counter, the parameter leaves of the
-current recording, the backend audit, and the device. Handles and operators
-live in ``_tensor.py``, gradients and the tied-weight sum in ``_grads.py``.
+A :class:`Session` is a facade over its parts, one job each: its
+:class:`~tapeflow._shell._recorder.Recorder` turns calls into nodes (the tape,
+the Param leaves, the replay of the last recording), its
+:class:`~tapeflow._shell._planner.BackwardPlanner` runs backwards, its
+``RandomStream``, ``StateLog`` and ``GradControls`` hold the random stream, the
+state writes and the hooks. The session itself is the identity every handle is
+checked against: the owner id, the generation counter that makes old
+:class:`~tapeflow.Tensor` handles stale after :meth:`Session.reset`, the thread,
+the mode and the device. Handles and operators live in ``_tensor.py``,
+gradients and the tied-weight sum in ``_grads.py``.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
 >>> w = tfl.Param(jnp.ones((3, 2)), name="w")
@@ -21,41 +25,39 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import itertools
-import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal, Self, cast
+from typing import Literal, Self, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._core import _registry as R
-from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
-from .._core._backward import backward as _tape_backward
+from .._core._backward import Hook
 from .._core._device import concrete_array_type, default_device, device_of, resolve_device
 from .._core._jvp import jvp_keys
 from .._core._nonfinite import Origin
-from .._core._precision import Precision, cast_operands
-from .._core._registry import attr_key as _attr_key
-from .._core._result import Err, TapeError
-from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf, place
+from .._core._precision import Precision
+from .._core._result import TapeError
+from .._core._tape import PENDING, Node, Tape, append_node, leaf
+from .._core._treescope import Rendering, SubtreeRenderer
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from . import _render
-from ._debug import NonFiniteCheck, Sites, debug_nans_default
+from ._debug import NonFiniteCheck, debug_nans_default
 from ._gradctl import GradControls
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import BackwardPlan, LazyGrads, LazyRecording, ParameterGroups, Structure, materialize
+from ._lazy import LazyRecording, materialize
 from ._params import Param, Storage
+from ._planner import BackwardPlanner, TapeGrowthWarning
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
-from ._replay import Event, Lane, Outline, node_key, registered_outside
+from ._recorder import Recorder
+from ._replay import Outline
 from ._state import StateLog, check_state_cell
-from ._tensor import Operand, RemovableHandle, Tensor, check_handle, note_recorded, pop_current, push_current
+from ._tensor import Operand, RemovableHandle, Tensor, check_handle, pop_current, push_current
 from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
 
 __all__ = ["Mode", "RationalFallbackWarning", "Session", "TapeGrowthWarning", "block_session", "traced_session"]
@@ -66,7 +68,6 @@ is read (``Session(lazy=True)``); ``"traced"`` is the session :func:`~tapeflow.v
 :func:`~tapeflow.train_step` trace, whose Param uses record the step's parameter values and whose state
 writes are only recorded."""
 
-_BOOL = np.dtype(bool)
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
 
@@ -74,53 +75,6 @@ _owner_lock = threading.Lock()
 def _next_owner() -> int:
     with _owner_lock:
         return next(_owner_counter)
-
-
-def check_host_indices(
-    d: R.OpDef, specs: tuple[R.Spec, ...], attrs: dict[str, object], host: dict[int, object]
-) -> None:
-    """Raise :class:`TapeError` if a position operand of ``d`` given as host data is out of its axis's range.
-
-    Only host data is looked at (NumPy arrays, lists, other frameworks' CPU
-    arrays): a device array's values would cost a wait for the device.
-    """
-    assert d.index_bounds is not None
-    for k, lo, hi, skip in d.index_bounds(specs, **attrs):
-        if k not in host:
-            continue
-        a = np.asarray(host[k])
-        if skip is not None and a.dtype.kind in "iu":
-            a = a[a != skip]  # e.g. cross_entropy's ignore_index: rows that count for nothing
-        if a.size == 0 or a.dtype.kind not in "iu":
-            continue
-        least, most = int(a.min()), int(a.max())
-        if least < lo or most >= hi:
-            bad = most if most >= hi else least
-            raise TapeError(
-                f"{d.name}: operand #{k} ({d.operands[k] if k < len(d.operands) else 'indices'}) holds {bad}, out of "
-                f"range (valid: {lo} to {hi - 1}); nothing was recorded. Check the ids or labels against the "
-                "table's size (an Embedding's num_embeddings, the number of classes)"
-            )
-
-
-_HOST_MEMO_SIZE = 1 << 16  # elements: a replayed NumPy operand at most this large is compared with its last one
-
-
-def _checks_device_indices(opname: str) -> bool:
-    """Whether ``debug_nans`` reads op ``opname``'s device positions (ops that clamp an out-of-range one)."""
-    d = R.REGISTRY.get(opname)
-    return d is not None and d.index_bounds is not None and d.index_clamps
-
-
-class TapeGrowthWarning(UserWarning):
-    """A session recorded another training step without a reset (its tape keeps growing)."""
-
-
-def _note_step(ref: weakref.ref[Session], generation: int) -> None:
-    """An optimizer stepped from the gradients of ``ref``'s recording ``generation``."""
-    s = ref()
-    if s is not None:
-        s._stepped = max(s._stepped, generation)
 
 
 class _Current:
@@ -229,72 +183,39 @@ class Session:
         debug_nans: bool = False,
     ) -> None:
         """Every field of a session; the public constructor and the private factories below all end here."""
+        # the identity every handle and call is checked against
         self._thread: int | None = threading.get_ident() if check_same_thread else None
         self.device: jax.Device = device
-        self.grad_enabled = bool(grad_enabled)
-        self.show_backend = bool(show_backend)
         self._mode: Mode = mode
         self._owner = _next_owner()
         self._ref = weakref.ref(self)
         self._generation = 0
-        self._lane: Lane | None = None  # a replay that has built no nodes yet (see _tape)
-        self._tape = Tape.empty(self.device)
-        self._params_by_leaf: dict[NodeId, ParameterRecord] = {}
-        self._storage_by_leaf: dict[NodeId, Storage] = {}
-        self.selected_backends: list[tuple[str, str]] = []
-        self._backend_seen: set[str] = set()
         self._tokens: list[contextvars.Token[Session | None]] = []
         # what ended each recent generation (True: the exit of a ``with s:`` block, False: a reset() call), so a
         # stale handle's error names the reset the user made; bounded, oldest forgotten first
         self._ended_by_exit: dict[int, bool] = {}
         self._exiting = False
-        self.precision = None if compute_dtype is None else Precision(compute_dtype)  # mixed precision policy
-        # the parts: how values enter, where Param uses read, the random stream, state writes, grad controls
+        # the parts: how values enter, where Param uses read, the random stream, state writes, grad controls, the
+        # recording (how a call becomes nodes) and the backward planner
         self._values = ValuePolicy(self.device, self._owner)
-        self._param_source = params  # None: every use records its storage's value (the fast path in apply)
+        self._param_source = params  # None: every use records its storage's value
         self._rng = RandomStream(seed, key)
         self._state_log = StateLog()  # assign_state's writes in this recording
         self._grad = GradControls()
-        self._lazy = LazyRecording()  # the structure of a lazy recording (unused by other modes)
-        self._outline: Outline | None = None  # the last recording (lazy, or eager), replayed while it matches
-        self._events: dict[NodeId, Event] = {}  # the apply calls of this recording (the next outline)
-        self._unfit: Structure | None = None  # a structure whose backward failed to trace as one program
-        self._stepped = -1  # the generation an optimizer last stepped from (a backward after that: no reset)
-        self._warned_growth = False
-        self._eagerly = 0  # open recording_eagerly blocks: a lazy session runs its ops at once inside them
-        self.debug_nans = debug_nans
-        self._sites: Sites | None = Sites() if debug_nans else None  # debug_nans: where each node was recorded
-        self._index_flags: list[Array] = []  # debug_nans, traced: "every index of this op is in range", per op
-
-    # -- the tape ----------------------------------------------------------------
-    @property
-    def _tape(self) -> Tape:
-        """The current tape value. A lazy session replaying its outline on a :class:`Lane` builds the nodes now
-        (the first read of the recording, or a call the outline does not hold) and goes on node by node."""
-        if self._lane is not None:
-            self._flush()
-        return self._tape_now
-
-    @_tape.setter
-    def _tape(self, t: Tape) -> None:
-        self._tape_now = t
-
-    def _flush(self) -> None:
-        """Turn the lane into nodes: the tape, Param leaves and events a node-by-node replay would have made."""
-        lane = cast(Lane, self._lane)
-        t = lane.tape()
-        self._lane = None
-        pbl, sbl = self._params_by_leaf, self._storage_by_leaf
-        for i, p in lane.uses:
-            pbl[i] = p
-            sbl[i] = p.storage
-        events = self._events
-        for n, ev in lane.starts:
-            events[n] = ev
-        ol = lane.outline
-        if ol is self._outline:
-            ol.matched, ol.tape = len(t), t
-        self._tape_now = t
+        self._recorder = Recorder(
+            owner=self._owner,
+            ref=self._ref,
+            device=device,
+            mode=mode,
+            values=self._values,
+            source=params,
+            grad=self._grad,
+            precision=None if compute_dtype is None else Precision(compute_dtype),  # mixed precision policy
+            debug_nans=debug_nans,
+            grad_enabled=bool(grad_enabled),
+            show_backend=bool(show_backend),
+        )
+        self._planner = BackwardPlanner(self._recorder, self._grad)
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -369,7 +290,7 @@ class Session:
     def tape(self) -> Tape:
         """The current tape value (immutable; a new one after every op; a lazy session computes its values first)."""
         self.materialize()
-        return self._tape
+        return self._recorder.tape
 
     @property
     def recording(self) -> Tape:
@@ -384,7 +305,7 @@ class Session:
         >>> s.recording[y.id].op, s.recording[y.id].shape
         ('mul', (2,))
         """
-        return self._tape
+        return self._recorder.tape
 
     def materialize(self) -> None:
         """Compute every value a lazy session has recorded but not computed (one compiled program); else nothing.
@@ -399,18 +320,88 @@ class Session:
         """
         if self._mode == "lazy":
             self.check_thread()
-            t = self._tape
-            materialize(self._lazy, t)
-            read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
+            self._recorder.materialize()
+
+    # -- settings (each change describes the recorder's conditions again) ------
+    @property
+    def precision(self) -> Precision | None:
+        """The mixed-precision policy (``Session(compute_dtype=...)``), or None: every op in its operands' dtypes.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> tfl.Session().precision is None, tfl.Session(compute_dtype=jnp.bfloat16).precision is not None
+        (True, True)
+        """
+        return self._recorder.precision
+
+    @precision.setter
+    def precision(self, policy: Precision | None) -> None:
+        self._recorder.precision = policy
+        self._recorder.retune()
+
+    @property
+    def debug_nans(self) -> bool:
+        """Whether every backward's loss and gradients are checked for NaN and infinity (``Session(debug_nans=...)``).
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session(debug_nans=True).debug_nans
+        True
+        """
+        return self._recorder.debug_nans
+
+    @debug_nans.setter
+    def debug_nans(self, on: bool) -> None:
+        self._recorder.debug_nans = on
+        self._recorder.retune()
+
+    @property
+    def grad_enabled(self) -> bool:
+        """Whether this session records gradients (False: an inference session, ``Session(grad_enabled=False)``).
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session().grad_enabled, tfl.Session(grad_enabled=False).grad_enabled
+        (True, False)
+        """
+        return self._recorder.grad_enabled
+
+    @grad_enabled.setter
+    def grad_enabled(self, on: bool) -> None:
+        self._recorder.grad_enabled = on
+        self._recorder.retune()
+
+    @property
+    def show_backend(self) -> bool:
+        """Whether the kernel/platform that runs each op is printed the first time it is used.
+
+        >>> import tapeflow as tfl
+        >>> tfl.Session().show_backend
+        False
+        """
+        return self._recorder.show_backend
+
+    @show_backend.setter
+    def show_backend(self, on: bool) -> None:
+        self._recorder.show_backend = on
+
+    @property
+    def selected_backends(self) -> list[tuple[str, str]]:
+        """``(op, kernel)`` of each op the first time this session recorded it (kept across resets).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> _ = s.input(jnp.ones(2)) * 2.0
+        >>> s.selected_backends[0][0], s.selected_backends[0][1].startswith("xla:")
+        ('mul', True)
+        """
+        return self._recorder.backends
 
     def __repr__(self) -> str:
         kind = "" if self.grad_enabled else ", inference"
         return (
-            f"Session(owner={self._owner}, generation={self._generation}, nodes={len(self._tape)}, "
+            f"Session(owner={self._owner}, generation={self._generation}, nodes={len(self._recorder.tape)}, "
             f"device={self.device}, rng_counter={self._rng.counter}{kind})"
         )
 
-    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    def __treescope_repr__(self, path: str | None, subtree_renderer: SubtreeRenderer) -> Rendering:
         return _render.render_session(self, path, subtree_renderer)  # treescope picture (tapeflow[viz])
 
     # -- context ---------------------------------------------------------------
@@ -462,7 +453,7 @@ class Session:
 
     # -- handles ---------------------------------------------------------------
     def _handle(self, node_id: NodeId) -> Tensor:
-        nd = self._tape[node_id]
+        nd = self._recorder.tape[node_id]
         return Tensor(self, self._owner, self._generation, node_id, nd.shape, nd.dtype)
 
     def handle(self, node_id: NodeId) -> Tensor:
@@ -475,8 +466,9 @@ class Session:
         [None, None]
         """
         self.check_thread()
-        if type(node_id) is not int or not 0 <= node_id < len(self._tape):
-            raise TapeError(f"Session.handle: no node {node_id!r} in this recording of {len(self._tape)} node(s)")
+        n = len(self._recorder.tape)
+        if type(node_id) is not int or not 0 <= node_id < n:
+            raise TapeError(f"Session.handle: no node {node_id!r} in this recording of {n} node(s)")
         return self._handle(node_id)
 
     def check(self, h: Tensor) -> None:
@@ -486,12 +478,13 @@ class Session:
     def node(self, h: Tensor) -> Node:
         """The recorded node behind the live handle ``h`` (raises for a stale or foreign one), with its value."""
         check_handle(h, self)
-        nd = self._tape[h.id]
+        rec = self._recorder
+        nd = rec.tape[h.id]
         v = nd.value
         if v is PENDING:
-            materialize(self._lazy, self._tape)  # only a lazy session has pending nodes
+            materialize(rec.lazy, rec.tape)  # only a lazy session has pending nodes
         elif type(v) is np.ndarray:
-            read_host_inputs(self._tape, (h.id,))
+            read_host_inputs(rec.tape, (h.id,))
         return nd
 
     def value(self, h: Tensor) -> Array:
@@ -503,7 +496,7 @@ class Session:
         >>> s.value(s.input(jnp.ones(2)) * 2.0).tolist()
         [2.0, 2.0]
         """
-        lane = self._lane
+        lane = self._recorder.lane
         if lane is not None:
             check_handle(h, self)
             v = lane.filled.get(h.id)
@@ -515,45 +508,24 @@ class Session:
     def _commit(self, t: Tape) -> None:
         """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
         self.check_thread()
-        self._install(t)
-
-    def _install(self, t: Tape) -> None:
-        """:meth:`_commit` after its thread check (``record_op`` checked the thread at its first line)."""
-        if self._mode == "lazy":
-            lz = self._lazy
-            n = len(t)
-            if n < len(lz.keys):
-                lz.truncate(n)  # a failed backward put an older tape back
-            elif n and t[n - 1].dtype is R.OBJECT:
-                lz.exact = True  # exact rationals: backward runs eagerly
-            ol = self._outline
-            if ol is not None:
-                ol.follow(t)  # nodes recorded outside the replay fast path still match the outline?
-        else:
-            if len(t) < self._lazy.checked or len(t) < len(self._lazy.keys):  # an eager session keys its structure
-                self._lazy.truncate(len(t))  # for a compiled backward: a failed one put an older tape back
-            ol = self._outline
-            if ol is not None:
-                ol.follow(t)
-        if self._sites is not None:
-            self._sites.note(len(self._tape), len(t))
-        self._tape_now = t  # (what the _tape setter does, without the property call)
-        note_recorded(self._ref)
+        self._recorder.install(t)
 
     def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
-        t, i = leaf(self._tape, value, requires_grad=requires_grad and self.grad_enabled and not self._grad.depth)
+        rec = self._recorder
+        t, i = leaf(rec.tape, value, requires_grad=requires_grad and rec.conditions.tracked)
         self._commit(t)
         return self._handle(i)
 
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
+        rec = self._recorder
         if type(x) is concrete_array_type():  # a jax.Array: leaf() places it
             dt = cast(Array, x).dtype
             if dt.kind != "c":
-                if self._lane is not None:
-                    dev = self._tape_now.device
+                if rec.lane is not None:
+                    dev = rec.now.device
                     if dev is None or device_of(x) is dev:  # placed already: the leaf holds it as it is
-                        got = self._lane_leaf(cast(Array, x), dt, requires_grad)
+                        got = rec.lane_leaf(self, cast(Array, x), dt, requires_grad)
                         if got is not None:
                             return got
                 return self._commit_leaf(cast(Array, x), requires_grad)
@@ -562,36 +534,14 @@ class Session:
         v = self._values.prepare(x, host=self._mode == "lazy")
         if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
             dt = np.dtype(v.dtype)
-            if self._lane is not None:
-                got = self._lane_leaf(v, dt, requires_grad)
+            if rec.lane is not None:
+                got = rec.lane_leaf(self, v, dt, requires_grad)
                 if got is not None:
                     return got
-            t, i = append_node(self._tape, Node(None, (), (), v, self._leaf_grad(requires_grad, dt), v.shape, dt))
+            t, i = append_node(rec.tape, Node(None, (), (), v, rec.leaf_grad(requires_grad, dt), v.shape, dt))
             self._commit(t)
             return self._handle(i)
         return self._commit_leaf(v, requires_grad)
-
-    def _leaf_grad(self, requires_grad: bool, dt: np.dtype) -> bool:
-        """Whether an input leaf of dtype ``dt`` records gradients: asked for, gradients on here, a float."""
-        return bool(requires_grad) and self.grad_enabled and not self._grad.depth and R.is_float(dt)
-
-    def _lane_leaf(self, v: Array | np.ndarray, dt: np.dtype, requires_grad: bool) -> Tensor | None:
-        """An input leaf holding ``v`` (as :meth:`input` records it) on the lane, if the outline has one here."""
-        self.check_thread()
-        lane = cast(Lane, self._lane)
-        ol, n = lane.outline, lane.pos
-        spec = (tuple(v.shape), dt)
-        if (
-            n >= len(ol.keys)
-            or n in ol.events
-            or n in ol.registered  # the outline's leaf here was a Param's (``use``): this input is not
-            or ol.keys[n] != (None, (), (), self._leaf_grad(requires_grad, dt), spec)
-        ):
-            return None
-        lane.vals.append(v)
-        lane.pos = n + 1
-        note_recorded(self._ref)
-        return Tensor(self, self._owner, self._generation, n, spec[0], dt)
 
     def const(self, x: ArrayLike) -> Tensor:
         """Record a constant leaf (never requires grad)."""
@@ -601,31 +551,13 @@ class Session:
         """A new leaf holding ``h``'s value, cut off from the recording's gradients."""
         return self._commit_leaf(self.node(h).value, False)
 
-    def _param_value(self, p: Param) -> Array:
-        src = self._param_source
-        if src is not None:
-            v = src.read(p)
-            if v is not None:
-                return v
-        if p.bound:  # a view rebuilt by a JAX transformation carries its own value
-            return p.value
-        st = p.storage
-        if st.dtype == R.OBJECT:
-            self._values.warn_rational()
-        return st.read(self.device)
-
     def use(self, p: Param) -> Tensor:
         """Record one use of ``p``: a new leaf holding its current value."""
         if not isinstance(p, Param):
             raise TypeError(f"Session.use expects a Param, got {type(p).__name__}")
-        h = self._commit_leaf(self._param_value(p), p.trainable)
-        self._register_param_leaf(h.id, p, p.storage)
+        h = self._commit_leaf(self._recorder.param_value(p), p.trainable)
+        self._recorder.register(h.id, p, p.storage)
         return h
-
-    def _register_param_leaf(self, leaf_id: NodeId, p: ParameterRecord, storage: Storage | None) -> None:
-        self._params_by_leaf[leaf_id] = p
-        if storage is not None:
-            self._storage_by_leaf[leaf_id] = storage
 
     def register_parameter_leaf(self, h: Tensor, parameter: ParameterRecord, storage: Storage | None = None) -> None:
         """Mark an existing leaf as a parameter registration (advanced).
@@ -644,40 +576,9 @@ class Session:
                 f"storage {storage!r} does not match leaf #{h.id} of {R.fmt_spec(nd.spec)}; "
                 "a parameter registration's storage must have the leaf's shape and dtype"
             )
-        self._register_param_leaf(h.id, parameter, storage)
+        self._recorder.register(h.id, parameter, storage)
 
-    # -- ops -------------------------------------------------------------------
-    def _check_device_indices(
-        self,
-        d: R.OpDef,
-        specs: tuple[R.Spec, ...],
-        attrs: dict[str, object],
-        operands: tuple[Operand, ...],
-        plan: list[NodeId | Param | Array],
-        host: dict[int, object] | None,
-    ) -> None:
-        """debug_nans: the index check of device values too (a wait for the device; a traced value adds a flag).
-
-        A value JAX traces cannot be read: its check joins the step's finite
-        check (:meth:`index_guard`), and the host run that explains a refused
-        step reads it and raises here.
-        """
-        for k, lo, hi, skip in d.index_bounds(specs, **attrs) if d.index_bounds is not None else ():
-            o = operands[k]
-            if (host is not None and k in host) or isinstance(o, Param):
-                continue
-            if type(o) is Tensor:
-                v = o.value  # a lazy session computes it
-            else:
-                v = plan[k]
-            if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.integer):
-                continue
-            if isinstance(v, jax.core.Tracer):
-                ok = (v >= lo) & (v < hi)
-                self._index_flags.append(jnp.all(ok if skip is None else ok | (v == skip)))
-            else:
-                check_host_indices(d, specs, attrs, {k: np.asarray(v)})
-
+    # -- ops (the session's Recorder) ------------------------------------------
     def index_guard(self, value: Array) -> Array:
         """``value``, or NaN where an index this trace recorded is out of range (``debug_nans``; else ``value``).
 
@@ -690,12 +591,13 @@ class Session:
         >>> s.index_guard(jnp.float32(2.0)).tolist()
         2.0
         """
-        if not self._index_flags:
+        flags = self._recorder.index_flags
+        if not flags:
             return value
-        ok = jnp.all(jnp.stack(self._index_flags))
+        ok = jnp.all(jnp.stack(flags))
         return jnp.where(ok, value, jnp.asarray(jnp.nan, value.dtype))
 
-    def apply(self, opname: str, *operands: Operand, **attrs: Any) -> Tensor:
+    def apply(self, opname: str, *operands: Operand, **attrs: object) -> Tensor:
         """Record registered op ``opname`` on this session; on any failure nothing changes.
 
         Handles are checked left to right (a foreign handle is reported before a
@@ -713,6 +615,10 @@ class Session:
     def record_op(self, opname: str, operands: tuple[Operand, ...], attrs: dict[str, object]) -> Tensor:
         """:meth:`apply` with the operands as a tuple and the attributes as a dict (what ``tfl.<op>`` calls).
 
+        The call's thread and handles are checked here; then the recorder's
+        path for the session's state records it (a lane, the outline's replay
+        or the normal path: see :mod:`tapeflow._shell._recorder`).
+
         >>> import jax.numpy as jnp, tapeflow as tfl
         >>> s = tfl.Session()
         >>> s.record_op("sum", (s.input(jnp.arange(3.0)),), {"axis": 0}).value.tolist()
@@ -724,217 +630,14 @@ class Session:
         for o in operands:
             if type(o) is Tensor and (o._owner != owner or o._generation != gen):
                 check_handle(o, self)  # raises: foreign before stale, left to right
-        lane = self._lane
-        if lane is not None:  # replaying with no nodes built: the outline's call again? (else the nodes are built)
-            ev = lane.outline.events.get(lane.pos)
-            if (
-                ev is not None
-                and not self._eagerly
-                and self.precision is None
-                and self._param_source is None
-                and not self.debug_nans
-            ):
-                try:
-                    akey = _attr_key(attrs.items()) if attrs else ()
-                except TypeError:
-                    akey = None
-                tracked = self.grad_enabled and not self._grad.depth
-                if ev.lane(opname, operands, akey, tracked, self.device, lane.vals, self._host_leaf):
-                    if ev.uses:
-                        lane.held.append(operands)
-                    n = lane.pos = lane.pos + len(ev.plan)
-                    note_recorded(self._ref)
-                    shape, dtype = ev.out
-                    return Tensor(self, owner, gen, n - 1, shape, dtype)
-        t0 = self._tape
-        ol = self._outline
-        # the last recording's call, again? (a session without a policy whose Params read their storages)
-        if (
-            ol is not None
-            and ol.tape is t0
-            and not self._eagerly
-            and self.precision is None
-            and not (self.debug_nans and _checks_device_indices(opname))  # replay checks no index
-        ):
-            n0 = ol.matched
-            ev = ol.events.get(n0)
-            if ev is not None and self._param_source is None:
-                try:
-                    akey = _attr_key(attrs.items()) if attrs else ()
-                except TypeError:
-                    akey = None
-                tracked = self.grad_enabled and not self._grad.depth
-                got = ev.replay(opname, operands, akey, tracked, self.device, self._host_leaf)
-                if got is not None:
-                    new, params = got
-                    if self._mode == "eager":
-                        ev.compute(new, t0)  # the op runs at its line, as in the normal path
-                    t = append_nodes(t0, new)
-                    if self._sites is not None:
-                        self._sites.note(len(t0), len(t))
-                    self._tape = ol.tape = t
-                    note_recorded(self._ref)
-                    ol.matched = n = n0 + len(new)
-                    self._events[n0] = ev
-                    if params:
-                        pbl, sbl = self._params_by_leaf, self._storage_by_leaf
-                        for j, prm in params:
-                            pbl[n0 + j] = prm
-                            sbl[n0 + j] = prm.storage
-                    out = new[-1]
-                    return Tensor(self, owner, gen, n - 1, out.shape, out.dtype)
-        plan: list[NodeId | Param | Array] = []
-        specs: list[R.Spec] = []
-        host: dict[int, object] | None = None  # operands given as host data, by position
-        ref_dtype: np.dtype | None = None  # dtype given to Python-number operands (set on first need)
-        for o in operands:
-            if type(o) is Tensor:
-                plan.append(o.id)
-                specs.append(t0[o.id].spec)
-            elif isinstance(o, Param):
-                plan.append(o)
-                specs.append((o.shape, o.dtype))
-            else:
-                if ref_dtype is None:
-                    for x in operands:
-                        if isinstance(x, (Tensor, Param)) and x.dtype != _BOOL:
-                            ref_dtype = x.dtype
-                            break
-                v = self._values.constant(o, ref_dtype, opname)
-                if not isinstance(o, (jax.Array, int, float)):  # host data: an index it holds can be checked now
-                    host = host or {}
-                    host[len(plan)] = o
-                plan.append(v)
-                specs.append((tuple(v.shape), np.dtype(v.dtype)))
-        casts = self.precision.targets(opname, specs) if self.precision is not None else None
-        if casts is not None:  # the op is checked with the dtypes it will compute in
-            specs = [(sh, dt if c is None else c) for (sh, dt), c in zip(specs, casts)]
-        entry = check_op(opname, attrs, tuple(specs))
-        if isinstance(entry, str):
-            raise TapeError(entry)
-        if (host is not None or self.debug_nans) and entry.opdef.index_bounds is not None:  # cheap test first
-            if host is not None:
-                check_host_indices(entry.opdef, tuple(specs), dict(entry.attrs), host)
-            if self.debug_nans and entry.opdef.index_clamps:
-                self._check_device_indices(entry.opdef, tuple(specs), dict(entry.attrs), operands, plan, host)
-        lazy = self._mode == "lazy" and not self._eagerly
-        if lazy and entry.dtype is R.OBJECT:  # exact rationals stay eager (NumPy objects, not XLA)
-            lazy = False
-            self.materialize()
-        # leaves and the op on a local tape value; commit only on success
-        t = self._tape
-        ids: list[NodeId] = []
-        new_params: list[tuple[NodeId, Param]] = []
-        grad_on = not self._grad.depth
-        tracked = self.grad_enabled and grad_on
-        direct = self._param_source is None
-        # the call's event for the next recording to replay (a lazy op, or an eager one XLA computes; Params read
-        # directly, no policy); a session notes events from its second recording on (a session used once pays
-        # nothing for replay)
-        note = (
-            (lazy or (self._mode == "eager" and entry.dtype is not R.OBJECT))
-            and direct
-            and self._generation
-            and self.precision is None
-        )
-        sources: list[int] | None = [] if note else None
-        for k, p in enumerate(plan):
-            if type(p) is int:
-                ids.append(p)
-            elif isinstance(p, Param):
-                st = p.storage
-                if direct and not p.bound and st.dtype is not R.OBJECT:
-                    # the storage's value on this device: placed already, so the leaf is made directly
-                    rg = p.trainable and tracked and R.is_float(st.dtype)
-                    t, i = append_node(t, Node(None, (), (), st.read(self.device), rg, st.shape, st.dtype))
-                else:
-                    t, i = leaf(t, self._param_value(p), requires_grad=p.trainable and tracked)
-                    sources = None
-                new_params.append((i, p))
-                ids.append(i)
-                if sources is not None:
-                    sources.append(k)
-            else:
-                t, i = leaf(t, p, requires_grad=False)
-                ids.append(i)
-                if sources is not None:
-                    sources.append(k)
-        if casts is not None:
-            t, ids = cast_operands(t, ids, casts, grad_on, lazy)
-        t, r = append_op(t, opname, entry, tuple(ids), None, grad_on, lazy)
-        if isinstance(r, Err):
-            raise TapeError(r.error)
-        self._install(t)
-        for i, p in new_params:
-            self._register_param_leaf(i, p, p.storage)
-        if opname not in self._backend_seen:
-            self._audit(opname, entry.dtype)
-        if sources is not None:
-            self._note_event(opname, entry, attrs, operands, tracked, t, len(t0), sources, tuple(specs))
-        nd = t[r.value]
-        return Tensor(self, owner, gen, r.value, nd.shape, nd.dtype)
+        rec = self._recorder
+        return rec.path(rec, self, opname, operands, attrs)
 
-    def _note_event(
-        self,
-        opname: str,
-        entry: R.FwdEntry,
-        attrs: dict[str, object],
-        operands: tuple[Operand, ...],
-        tracked: bool,
-        t: Tape,
-        n0: int,
-        sources: list[int],
-        specs: tuple[R.Spec, ...],
-    ) -> None:
-        """Note the call that appended nodes ``n0..`` of ``t`` as an event of this recording (the next outline)."""
-        try:
-            akey = _attr_key(attrs.items()) if attrs else ()
-            hash(akey)
-        except TypeError:
-            return  # an unhashable attribute: not replayed
-        checked = (specs, dict(entry.attrs))
-        ev = Event.of(opname, entry.opdef, akey, operands, tracked, t.nodes[n0:], [*sources, -1], checked, entry.fn)
-        if ev is not None:
-            self._events[n0] = ev
-
-    def _host_leaf(self, ev: Event, k: int, o: np.ndarray) -> Array:
-        """Operand ``k`` of a replayed call of ``ev``, a NumPy array, as the normal path makes its leaf's value:
-        converted and placed as a constant, a position operand's ids checked against their range first.
-
-        The same values as at the event's last call (``np.arange(n)`` positions, a fixed index table: compared
-        byte for byte, the event having matched shape and dtype) give the value made then, which was converted,
-        checked against the same operand specs and placed the same way; the array itself is never kept, only
-        a copy of its bytes, so an array edited in place is converted again."""
-        dev = self._tape_now.device
-        data = o.tobytes() if o.size <= _HOST_MEMO_SIZE else None
-        if data is not None:
-            last = ev.hosts.get(k)
-            if last is not None and last[0] == data and last[2] is dev and not last[1].is_deleted():
-                return last[1]
-        v = self._values.constant(o, None, ev.opname)
-        d = ev.opdef
-        if d.index_bounds is not None:
-            specs, attrs = ev.checked
-            check_host_indices(d, specs, attrs, {k: o})
-        placed = cast(Array, place(v, dev))
-        if data is not None and type(placed) is concrete_array_type():
-            ev.hosts[k] = (data, placed, dev)
-        return placed
-
-    def _audit(self, opname: str, dtype: np.dtype) -> None:
-        self._backend_seen.add(opname)
-        kernel = "numpy-exact (cpu)" if dtype == R.OBJECT else f"xla:{self.device.platform}"
-        self.selected_backends.append((opname, kernel))
-        if self.show_backend:
-            print(f"[tapeflow] {opname}: {kernel}", file=sys.stderr)
-
-    # -- backward --------------------------------------------------------------
+    # -- backward (the session's BackwardPlanner) ------------------------------
     def parameter_groups(self) -> list[ParameterGroup]:
         """Trainable parameter leaves of this recording grouped by storage identity."""
         self.check_thread()
-        nodes = self._tape.nodes
-        trainable = {i: p for i, p in self._params_by_leaf.items() if nodes[i].requires_grad}
-        return group_parameter_leaves(trainable, self._storage_by_leaf)
+        return self._recorder.parameter_groups()
 
     def backward(
         self,
@@ -965,13 +668,20 @@ class Session:
         ...     float(g[h]), float(g[x]), float(s.backward(g[x])[x])    # x, 3x^2, 6x
         (3.0, 27.0, 18.0)
         """
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
-        check_handle(loss, self)
-        if self._lane is not None and seed is None and not wrt and not create_graph:
+        self._check_backward(loss, seed, wrt)
+        if self._recorder.lane is not None and seed is None and not wrt and not create_graph:
             laned = self._lane_backward(loss)
             if laned is not None:
                 return laned
+        wrt_ids = tuple(h.id for h in wrt)
+        return self._planner.backward(self, loss.id, seed, wrt_ids, create_graph, self._state_log)
+
+    def _check_backward(self, loss: Tensor, seed: Array | None, wrt: Sequence[Tensor]) -> None:
+        """Raise unless ``backward(loss, seed, wrt=wrt)`` may run: live handles, gradients on, a real seed, and
+        ``wrt`` handles that require grad."""
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
+        check_handle(loss, self)
         if not self.grad_enabled:
             raise TapeError(
                 "backward: this is an inference session (grad_enabled=False); it records no gradients. "
@@ -984,7 +694,7 @@ class Session:
                 raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
             check_handle(h, self)
             # the sweep stops at nodes that need no gradient: their cotangent would read as zeros
-            nd = self._tape.nodes[h.id]
+            nd = self._recorder.tape.nodes[h.id]
             if not nd.requires_grad and nd.op is None:
                 raise TapeError(
                     f"backward: wrt[{k}] {h!r} was recorded without requires_grad, so the loss has no gradient "
@@ -996,151 +706,12 @@ class Session:
                     "wrt it (it would read as zeros); record the inputs it is computed from with "
                     "s.input(..., requires_grad=True)"
                 )
-        if self._stepped == self._generation and not self._warned_growth:
-            self._warn_growth()
-        old = self._tape
-        hooks: dict[NodeId, list[Any]] = {
-            i: [self._hook_call(i, fn, create_graph) for fn in fns] for i, fns in self._grad.hooks.items() if fns
-        }
-        lazy = self._mode == "lazy" and not (create_graph or hooks or self._lazy.exact)
-        # an eager session's backward runs as one compiled program (fused with the optimizer step that consumes
-        # it) whenever its structure allows, decided by the structure alone (see _compiles_backward)
-        lz, ol = self._lazy, self._outline
-        if ol is not None and len(lz.keys) < len(old) and (lazy or self._mode == "eager"):
-            hint = ol.structure_hint(len(old), lz.epoch)
-            if hint is not None:
-                lz.keys = hint  # a replayed recording's structure is the outline's
-        compiled = self._mode == "eager" and not (create_graph or hooks) and self._compiles_backward(old)
-        program = lazy or compiled
-        plan: BackwardPlan | None = None
-        if program:  # the same structure, Params and request as the last backward: what it worked out holds
-            struct = lz.structure(old)
-            wrt_ids = tuple(h.id for h in wrt)
-            plan = self._lazy.plan
-            if plan is None or not plan.matches(
-                struct, loss.id, seed, wrt_ids, self._params_by_leaf, self._storage_by_leaf
-            ):
-                plan = None
-        kept = None if plan is None else plan.groups()
-        if plan is not None and kept is not None:
-            ids, groups = plan.ids, kept
-        else:
-            plan = None
-            # every trainable leaf gets a gradient (zeros when the loss does not reach it)
-            nodes = old.nodes
-            ids = [i for i, nd in enumerate(nodes[: loss.id + 1]) if nd.op is None and nd.requires_grad]
-            ids += [i for i in self._params_by_leaf if i > loss.id and nodes[i].requires_grad]
-            ids += [h.id for h in wrt]
-            groups = ParameterGroups(self.parameter_groups())
-        if not lazy:
-            self.materialize()  # the sweep below reads every value
-        by_leaf: dict[NodeId, Any] | LazyGrads
-        try:
-            if program and plan is None:
-                checked = root_and_seed(old, loss.id, seed)[1]  # root and seed checked now, as eagerly
-                pending = LazyGrads(struct, old, loss.id, None if seed is None else checked, ids)
-                try:
-                    pending.check()
-                except Exception:
-                    if not compiled:
-                        raise
-                    program = False  # what fails to trace as one program runs op by op (a failing VJP raises there)
-                    self._unfit = struct
-                if program and seed is None:
-                    self._lazy.plan = BackwardPlan.of(
-                        struct, loss.id, wrt_ids, self._params_by_leaf, self._storage_by_leaf, ids, groups
-                    )
-            if program:  # computed on first read, or fused into the optimizer step that consumes them
-                by_leaf = pending if plan is None else LazyGrads(struct, old, loss.id, None, ids)  # plan: checked
-            elif create_graph:
-                with self._recording_eagerly():  # the sweep and the hooks read values
-                    t, by_id = backward_graph(old, loss.id, seed, ids, hooks)
-                self._commit(t)
-                by_leaf = {i: self._handle(j) for i, j in by_id.items()}
-            else:
-                by_leaf = _tape_backward(old, loss.id, seed=seed, wrt=ids, hooks=hooks)
-            check = self._nonfinite_check(old, loss.id, seed)
-            if check is not None and check.debug and compiled and program:
-                # an eager session's backward raises at its line under debug_nans, compiled or not: the
-                # gradients are computed now (not fused into the optimizer step) and checked below
-                by_leaf = cast(LazyGrads, by_leaf).resolve()
-                program = False
-            if check is not None and check.debug and not program:
-                got = cast(dict[NodeId, Any], by_leaf).values()
-                check.verify([self.node(h).value for h in got] if create_graph else list(got), "backward")
-            grads = Grads(by_leaf, groups, self._owner, self._generation)
-            grads.on_step = functools.partial(_note_step, self._ref, self._generation)
-            grads.check = check
-            self._state_log.attach(grads)
-            for group in grads.groups:
-                if group.storage is not None and group.storage.hooks:
-                    g = grads.group_gradient(group)
-                    grads.set_group_gradient(group, run_hooks(group.storage.hooks, g, repr(group.parameter)))
-        except BaseException:
-            self._commit(old)  # hooks may have recorded on the tape: none of it happened
-            raise
-        ol = self._outline
-        if lazy and seed is None and not wrt and ol is not None and ol.tape is old and ol.matched == len(ol.keys):
-            # a whole replay of the outline: the next one, on a lane, may reuse this backward's plan as it is
-            ol.plan, ol.struct = self._lazy.plan, struct
-        return grads
 
     def _lane_backward(self, loss: Tensor) -> Grads | None:
-        """:meth:`backward` of a lane that replayed the whole outline, by the plan its last backward used (the
-        same Grads, groups and lazy gradients); None: the normal path (which builds the nodes)."""
-        lane = cast(Lane, self._lane)
-        ol = lane.outline
-        plan = ol.plan
-        groups = None if plan is None else plan.groups()
-        if (
-            plan is None
-            or groups is None
-            or plan is not self._lazy.plan
-            or plan.root != loss.id
-            or plan.wrt
-            or not lane.whole
-            or not self.grad_enabled
-            or self.debug_nans
-            or self._stepped == self._generation
-            or any(self._grad.hooks.values())
-        ):
-            return None
-        for group in groups:
-            if group.storage is not None and group.storage.hooks:
-                return None
-        grads = Grads(
-            LazyGrads(cast(Structure, ol.struct), lane, loss.id, None, plan.ids),
-            groups,
-            self._owner,
-            self._generation,
-        )
-        grads.on_step = functools.partial(_note_step, self._ref, self._generation)
-        self._state_log.attach(grads)
-        return grads
-
-    def _warn_growth(self) -> None:
-        """A second training step on one recording: the tape (and the memory it holds) grows with every step."""
-        self._warned_growth = True
-        warnings.warn(
-            f"Session: backward of another training step on the same recording ({len(self._tape)} nodes, growing "
-            "with every step): an optimizer already stepped from this recording's gradients. A session keeps "
-            "every op until it is reset (PyTorch frees its graph after backward), so each step gets slower and "
-            "holds more memory. Reset once per step: wrap the step in `with s:` (it resets on exit), or call "
-            "s.reset() after opt.step(...)",
-            TapeGrowthWarning,
-            stacklevel=3,
-        )
-
-    def _nonfinite_check(self, tape: Tape, root: NodeId, seed: Array | None) -> NonFiniteCheck | None:
-        """How this backward's non-finite gradients are checked (debug_nans) and explained (also for check_finite).
-
-        An eager session's tape holds every forward value, so an optimizer's
-        ``check_finite`` refusal can name the origin at no cost; a lazy session's
-        would have to recompute it, which only ``debug_nans`` asks for.
-        """
-        if self._mode == "traced" or (not self.debug_nans and self._mode != "eager"):
-            return None  # a traced session's caller (train_step, value_and_grad) checks its program's outputs
-        return NonFiniteCheck(self.debug_nans, tape, root, seed, self._sites, self._params_by_leaf)
+        """:meth:`backward` of a lane that replayed the whole outline (see
+        :meth:`BackwardPlanner.lane_backward <tapeflow._shell._planner.BackwardPlanner.lane_backward>`); None:
+        the planner's pipeline."""
+        return self._planner.lane_backward(loss.id, self._state_log)
 
     def nonfinite_origin(self, loss: Tensor, seed: Array | None = None) -> Origin | None:
         """Where the first non-finite value reaching ``loss`` or its gradients was made (None: all finite).
@@ -1157,20 +728,8 @@ class Session:
         """
         check_handle(loss, self)
         self.materialize()
-        return NonFiniteCheck(self.debug_nans, self._tape, loss.id, seed, self._sites, self._params_by_leaf).explain()
-
-    def _compiles_backward(self, tape: Tape) -> bool:
-        """Whether this eager backward of ``tape`` runs as one compiled program.
-
-        Decided by the recording alone, never by what the session ran before: a
-        run restored from a checkpoint into a new session then takes the same
-        path at every step as the uninterrupted run, so it continues bit for bit
-        (the op-by-op sweep and the program round differently). Op by op: a
-        recording :meth:`LazyRecording.compiled_structure` refuses, a block's
-        session, and a structure whose backward failed to trace (it fails again).
-        """
-        struct = self._lazy.compiled_structure(tape)
-        return struct is not None and self._param_source is None and struct != self._unfit
+        rec = self._recorder
+        return NonFiniteCheck(rec.debug_nans, rec.tape, loss.id, seed, rec.sites, rec.params_by_leaf).explain()
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
@@ -1182,52 +741,17 @@ class Session:
         holds (``h.value``, a ``Tape`` kept or forked, another session's leaf)
         stays valid, and nothing else outlives the reset but the constants the
         session reuses: Python numbers' values, and the last value each NumPy
-        operand of its outline's calls made (see ``_host_leaf``).
+        operand of its outline's calls made (see ``Recorder.host_leaf``).
         """
         self.check_thread()
-        lane = self._lane
-        if lane is not None and lane.pos == len(lane.outline.keys):
-            self._lane = None  # the whole outline again, its nodes never built: it stays the outline as it is
-        elif self._mode != "traced":
-            self._keep_outline()
-        self._tape = Tape.empty(self.device)
-        ol = self._outline
-        if ol is not None:
-            ol.start(self._tape_now)
-            if self._mode == "lazy" and self._sites is None:
-                self._lane = Lane(ol, self._tape_now)  # the next recording replays on a lane while it matches
-        self._params_by_leaf = {}
-        self._storage_by_leaf = {}
+        self._recorder.restart(self._generation + 1)
         self._grad.clear()
         self._state_log = StateLog()
-        if self._sites is not None:
-            self._sites = Sites()
-        if self._mode != "traced":
-            self._lazy = LazyRecording(self._lazy.plan)  # pending values nobody read are dropped with the tape
         ended = self._ended_by_exit
         ended[self._generation] = self._exiting
         if len(ended) > 64:
             del ended[next(iter(ended))]
         self._generation += 1
-
-    def _keep_outline(self) -> None:
-        """Make this recording the outline the next one replays (kept as it is when this one matched it whole)."""
-        t, ol, lz = self._tape, self._outline, self._lazy
-        n = len(t)
-        if n and self._events:
-            if ol is None or not (ol.matched == n == len(ol.keys)):
-                ol = self._outline = Outline(self._events, [node_key(nd) for nd in t.nodes])
-            else:
-                ol.events = self._events
-                plan = ol.plan
-                if plan is not None and not plan.same_params(self._params_by_leaf, self._storage_by_leaf):
-                    # a step with no backward of its own (an evaluation) had other Param leaves than the plan
-                    # a lane's backward would reuse: the next whole replay works its plan out again
-                    ol.plan = ol.struct = None
-            ol.registered = registered_outside(self._events, self._params_by_leaf)
-            if len(lz.keys) == n:
-                ol.interned, ol.epoch = lz.keys, lz.epoch
-        self._events = {}
 
     # -- random tensors (the session's RandomStream) ---------------------------
     @property
@@ -1369,22 +893,6 @@ class Session:
         check_handle(h, self)
         return self._grad.register(h.id, fn)
 
-    def _hook_call(self, i: NodeId, fn: Hook, graph: bool) -> Hook | GraphHook:
-        """``fn`` as the sweep calls it: arrays in, checked arrays out; or, recording, ``(tape, id)`` in and out."""
-        nd = self._tape[i]
-        if not graph:
-            return lambda g: run_hooks([fn], g, f"node #{i} ({nd.op or 'leaf'})")
-
-        def call(t: Tape, gid: NodeId) -> tuple[Tape, NodeId]:
-            self._commit(t)  # the hook records on the tape the sweep has built so far
-            r = run_hooks([fn], self._handle(gid), f"node #{i} ({nd.op or 'leaf'})")
-            if isinstance(r, Tensor):
-                check_handle(r, self)
-                return self._tape, r.id
-            return self._tape, gid
-
-        return call
-
     @contextlib.contextmanager
     def no_grad(self) -> Iterator[Self]:
         """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
@@ -1398,17 +906,13 @@ class Session:
         (False, True)
         """
         self.check_thread()
-        with self._grad.paused():
-            yield self
-
-    @contextlib.contextmanager
-    def _recording_eagerly(self) -> Iterator[None]:
-        """Run every op recorded inside the block at once, even in a lazy session (a recorded backward reads values)."""
-        self._eagerly += 1
+        rec = self._recorder
         try:
-            yield
+            with self._grad.paused():
+                rec.retune()  # the grad depth is one of the recorder's conditions
+                yield self
         finally:
-            self._eagerly -= 1
+            rec.retune()
 
     def jvp(self, output: Tensor, tangents: Mapping[Tensor | Param, ArrayLike]) -> Array:
         """The tangent of ``output`` given tangents of live handles and of Params (a Param's reaches all its uses).
@@ -1425,9 +929,10 @@ class Session:
             elif not (isinstance(k, Param) and isinstance(output, Tensor)):  # output: a Tensor, keys: also Params
                 raise TypeError(f"Session.jvp takes a Tensor output and Tensor or Param keys, got {type(k).__name__}")
         self.materialize()  # the tangent sweep reads the forward values
-        return jvp_keys(self._tape, output.id, tangents, self._storage_by_leaf)
+        rec = self._recorder
+        return jvp_keys(rec.tape, output.id, tangents, rec.storage_by_leaf)
 
-    # -- views -----------------------------------------------------------------
+    # -- pictures (the bodies live in _render.py) ------------------------------
     def leaf_names(self) -> dict[NodeId, str]:
         """The Param leaves of this recording by node id: the name of the Param each leaf is a use of.
 
@@ -1444,9 +949,9 @@ class Session:
         {1: 'W', 3: 'W_dec'}
         """
         self.check_thread()
-        if self._lane is not None:
-            self._flush()  # a lane registers its Param leaves as it builds their nodes
-        return _render.leaf_names(self._params_by_leaf)
+        rec = self._recorder
+        rec.flush()  # a lane registers its Param leaves as it builds their nodes
+        return _render.leaf_names(rec.params_by_leaf)
 
     def leaf_storages(self) -> dict[NodeId, str]:
         """The storage each Param leaf reads, by node id: ``"<name> storage"``, named after its first use.
@@ -1465,7 +970,8 @@ class Session:
         {1: 'W storage', 3: 'W storage'}
         """
         names = self.leaf_names()
-        return _render.storage_labels(names, group_parameter_leaves(self._params_by_leaf, self._storage_by_leaf))
+        rec = self._recorder
+        return _render.storage_labels(names, group_parameter_leaves(rec.params_by_leaf, rec.storage_by_leaf))
 
     def to_dot(self) -> str:
         """Graphviz DOT text of this recording, with Param leaves named and the storages they read drawn.
@@ -1484,6 +990,23 @@ class Session:
         's0 [label="W storage", shape=cylinder, style=filled, fillcolor="#fde7d9"];'
         """
         return _render.session_dot(self)
+
+    # -- the recording's parts, read by tests and when debugging ---------------
+    @property
+    def _tape(self) -> Tape:
+        return self._recorder.tape
+
+    @property
+    def _lazy(self) -> LazyRecording:
+        return self._recorder.lazy
+
+    @property
+    def _outline(self) -> Outline | None:
+        return self._recorder.outline
+
+    @property
+    def _params_by_leaf(self) -> dict[NodeId, ParameterRecord]:
+        return self._recorder.params_by_leaf
 
 
 def traced_session(
