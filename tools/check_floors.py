@@ -3,16 +3,16 @@
 Every ``>=`` bound of ``[project] dependencies`` in pyproject.toml must be a version the
 suite has passed on. This script reads those bounds, builds a virtual environment
 with each runtime dependency pinned to its floor (``jax==0.7.0``, ``numpy==2.0.0``, ...),
-installs tapeflow itself without dependencies, adds the test tools (pytest, hypothesis:
-their newest releases, since they are not tapeflow's dependencies), and runs
-:data:`CORE` (the files that need neither torch, flax nor the demo extra) on one process.
+installs tapeflow itself without dependencies, adds the test tools (pytest, pytest-xdist,
+hypothesis: their newest releases, since they are not tapeflow's dependencies), and runs
+:data:`CORE` (the files that need neither torch, flax nor the demo extra) on two workers.
 
     python tools/check_floors.py                    # venv in /tmp/tapeflow-floors
     python tools/check_floors.py --venv DIR --keep  # reuse DIR if it already holds the floors
 
-It needs the network (PyPI) for the install (one to three minutes); the tests took 12
-minutes on two shared cores (603 tests). With the suite's 12 to 15 minutes that fits the CI
-budget of 90 minutes, so .ci/run runs it after the suite. When it fails, raise the floor in
+It needs the network (PyPI) for the install (one to three minutes); the tests took five and
+a half minutes on two busy cores (606 tests, two workers). That fits the CI budget of 90
+minutes beside the suite, so .ci/run runs it after the suite. When it fails, raise the floor in
 pyproject.toml (or stop the tests from using the newer feature); never lower a floor without
 a passing run.
 """
@@ -43,7 +43,10 @@ CORE = [
 ]
 """The core test files: the tape, sessions (eager and lazy), gradients, optimizers, checkpoints, train_step."""
 
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+WORKERS = ["-n", "2", "--dist", "loadfile"]
+"""Two workers, one file each at a time (as the suite runs): CI has two cores."""
+
+TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6.100"]
 
 
 def floors(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if wrong:
         raise SystemExit(f"check_floors: the venv does not hold these floors: {wrong} (installed: {got})")
     print("floors:", " ".join(pins), flush=True)
-    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *CORE, *args.pytest_args]
+    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *WORKERS, *CORE, *args.pytest_args]
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
