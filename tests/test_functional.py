@@ -236,9 +236,13 @@ class TestCompileCount:
             step(x2, y2)
         assert step.trace_count == 2 and step.cache_size() == 2
 
+    @pytest.mark.parametrize("built_from", ["module", "parameters()"])
     @pytest.mark.parametrize("layers", ["batchnorm", "dropout", "both"])
-    def test_a_model_with_batchnorm_or_dropout_traces_once_per_shape(self, layers):
-        """Running statistics (read and written, no optimizer slot) and train/eval modes are known on the first trace."""
+    def test_a_model_with_batchnorm_or_dropout_traces_once_per_shape(self, layers, built_from):
+        """Running statistics (read and written, no optimizer slot) and train/eval modes are known on the first trace.
+
+        PyTorch's ``Optimizer(tx, model.parameters())`` knows them as well as ``Optimizer(tx, model)``.
+        """
         _, _, batch = make_mlp()
 
         def build():
@@ -254,7 +258,8 @@ class TestCompileCount:
             traced.append(x.shape)  # Python runs here once per trace
             return tfl.cross_entropy(model(x), y)
 
-        step = tfl.train_step(loss_fn, tfl.Optimizer(optax.sgd(0.1), model))
+        params = model if built_from == "module" else model.parameters()
+        step = tfl.train_step(loss_fn, tfl.Optimizer(optax.sgd(0.1), params))
         batches = [batch(k) for k in range(3)]
         losses = [float(step(x, y)) for x, y in batches]
         assert step.trace_count == len(traced) == 1 and step.cache_size() == 1

@@ -77,16 +77,21 @@ def non_trainable_of(params: ParamCollection) -> list[Param]:
 
     A forward reads them (and writes buffers such as BatchNorm's running
     statistics) without training them. A Param, a sequence or a mapping names
-    only what is trained: nothing.
+    only what is trained: nothing, unless it is a module's ``parameters()``
+    list, which names its module (``nn.ModuleParameters``).
 
     >>> import tapeflow as tfl
     >>> [p.name for p in non_trainable_of(tfl.nn.BatchNorm1d(2))]
     ['running_mean', 'running_var', 'num_batches_tracked']
+    >>> len(non_trainable_of(tfl.nn.BatchNorm1d(2).parameters()))
+    3
     """
-    if not (hasattr(params, "named_parameters") and callable(params.named_parameters)):
+    owner: object = getattr(params, "module", params) if isinstance(params, list) else params
+    named = getattr(owner, "named_parameters", None)
+    if not callable(named):
         return []
-    frozen = [p for _, p in params.named_parameters() if not getattr(p, "trainable", True)]
-    buffers = getattr(params, "named_buffers", None)
+    frozen = [p for _, p in named() if not getattr(p, "trainable", True)]
+    buffers = getattr(owner, "named_buffers", None)
     return frozen + ([p for _, p in buffers()] if callable(buffers) else [])
 
 

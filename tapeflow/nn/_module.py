@@ -22,7 +22,7 @@ import contextvars
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple, Self
+from typing import NamedTuple, Self, cast
 
 import jax
 import numpy as np
@@ -37,7 +37,7 @@ from .._shell._state import note_mode_read
 from .._shell._surface import torch_entry
 from .._shell._tensor import Tensor
 
-__all__ = ["Module", "factory_dtype", "observe_calls", "observing"]
+__all__ = ["Module", "ModuleParameters", "factory_dtype", "observe_calls", "observing"]
 
 observing = 0
 """How many :func:`observe_calls` blocks are open, in any thread (``Module.__call__`` reads it per call)."""
@@ -45,6 +45,37 @@ observing = 0
 _observing_lock = threading.Lock()
 _OBSERVERS: contextvars.ContextVar[tuple[list[tuple[Module, PyTree]], ...]] = contextvars.ContextVar(
     "tapeflow_module_observers", default=()
+)
+
+
+class ModuleParameters(list[Param]):
+    """What :meth:`Module.parameters` returns: a list of Params that also names its module.
+
+    PyTorch's idiom ``Optimizer(tx, model.parameters())`` then gives the
+    optimizer what ``Optimizer(tx, model)`` gives it: the module's buffers and
+    frozen Params (:attr:`Optimizer.non_trainable_params
+    <tapeflow.Optimizer.non_trainable_params>`), which a compiled step takes as
+    inputs from its first trace on. Anything else about it is a plain list.
+
+    >>> import jax, tapeflow as tfl
+    >>> net = tfl.nn.Sequential(tfl.nn.Linear(2, 2), tfl.nn.BatchNorm1d(2))
+    >>> ps = net.parameters()
+    >>> len(ps), ps.module is net, isinstance(ps, list)
+    (4, True, True)
+    >>> [v.shape for v in jax.tree.leaves(ps)]  # a list to JAX
+    [(2, 2), (2,), (2,), (2,)]
+    """
+
+    def __init__(self, params: Sequence[Param], module: Module) -> None:
+        super().__init__(params)
+        self.module = module
+
+
+# JAX's pytrees know a list by its exact type: flattened as one, rebuilt as a plain list
+jax.tree_util.register_pytree_with_keys(
+    cast("type[list[Param]]", ModuleParameters),
+    lambda ps: ([(jax.tree_util.SequenceKey(i), p) for i, p in enumerate(ps)], None),
+    lambda _, children: list(children),
 )
 
 
@@ -86,7 +117,8 @@ def factory_dtype(device: object, dtype: object, layer: str) -> np.dtype:
     them; any other device is refused (a Session picks the device).
 
     >>> import jax.numpy as jnp
-    >>> factory_dtype(None, None, "Linear"), factory_dtype("cpu", jnp.bfloat16, "Linear")
+    >>> bf16 = jnp.bfloat16
+    >>> factory_dtype(None, None, "Linear"), factory_dtype("cpu", bf16, "Linear")
     (dtype('float32'), dtype(bfloat16))
     """
     if device is not None and str(getattr(device, "type", device)) != "cpu":
@@ -297,9 +329,14 @@ class Module:
         recs = [(pre + n, p) for n, p, buf in self._walk("", (), recurse) if not buf]
         return self._once(recs, remove_duplicate)
 
-    def parameters(self, recurse: bool = True) -> list[Param]:
-        """Each parameter storage once (its first record), in definition order; buffers excluded."""
-        return [p for _, p in self.named_parameters(recurse=recurse)]
+    def parameters(self, recurse: bool = True) -> ModuleParameters:
+        """Each parameter storage once (its first record), in definition order; buffers excluded.
+
+        The list also names this module (:class:`ModuleParameters`), so an
+        optimizer built from it knows the module's buffers as one built from
+        the module does.
+        """
+        return ModuleParameters([p for _, p in self.named_parameters(recurse=recurse)], self)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -403,7 +440,8 @@ class Module:
 
         >>> import numpy as np, tapeflow as tfl
         >>> lin = tfl.nn.Linear(2, 1)
-        >>> sd = {"weight": np.ones((1, 2), np.float32), "bias": np.zeros(1, np.float32)}
+        >>> f32 = np.float32
+        >>> sd = {"weight": np.ones((1, 2), f32), "bias": np.zeros(1, f32)}
         >>> lin.load_state_dict(sd)
         IncompatibleKeys(missing_keys=[], unexpected_keys=[])
         """
