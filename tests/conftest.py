@@ -192,13 +192,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 @pytest.fixture
 def lane_counts(monkeypatch):
     """Counts of lane backwards taken (the whole outline, values only) and of lanes turned into nodes."""
-    from tapeflow._shell import _replay, _session
+    from tapeflow._shell import _planner, _replay
 
     counts = {"backward": 0, "built": 0}
-    lane_backward, build = _session.Session._lane_backward, _replay.Lane.tape
+    lane_backward, build = _planner.BackwardPlanner.lane_backward, _replay.Lane.tape
 
-    def counted_backward(self, loss):
-        got = lane_backward(self, loss)
+    def counted_backward(self, root, state_log):
+        got = lane_backward(self, root, state_log)
         counts["backward"] += got is not None
         return got
 
@@ -206,6 +206,6 @@ def lane_counts(monkeypatch):
         counts["built"] += self.built is None
         return build(self)
 
-    monkeypatch.setattr(_session.Session, "_lane_backward", counted_backward)
+    monkeypatch.setattr(_planner.BackwardPlanner, "lane_backward", counted_backward)
     monkeypatch.setattr(_replay.Lane, "tape", counted_build)
     return counts

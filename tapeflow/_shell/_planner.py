@@ -1,8 +1,9 @@
 """How a session's backward runs: op by op, as one compiled program, or on a lane; what it reuses and checks.
 
 A :class:`BackwardPlanner` is the part of a :class:`~tapeflow.Session` that
-turns a checked ``backward`` call into :class:`~tapeflow.Grads`, as one pipeline
-(:meth:`BackwardPlanner.backward`):
+checks a ``backward`` call (:meth:`BackwardPlanner.check`: live handles,
+gradients on, a real seed, ``wrt`` handles that require grad) and turns it into
+:class:`~tapeflow.Grads`, as one pipeline (:meth:`BackwardPlanner.backward`):
 
 1. the growth warning: a second training step on one recording
    (:class:`TapeGrowthWarning`);
@@ -17,7 +18,7 @@ turns a checked ``backward`` call into :class:`~tapeflow.Grads`, as one pipeline
    storages' hooks run; anything that fails puts the old tape back.
 
 A lazy session that replayed its whole outline on a lane takes
-:meth:`BackwardPlanner.lane_backward` instead: the plan its outline's last
+:meth:`BackwardPlanner.lane_backward` first: the plan its outline's last
 backward used, values only, no node built.
 
 >>> import jax.numpy as jnp, tapeflow as tfl
@@ -38,8 +39,11 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeAlias, cast
 
+import jax.numpy as jnp
+
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as tape_backward
+from .._core._result import TapeError
 from .._core._tape import Tape
 from .._core._typing import Array, NodeId
 from ._debug import NonFiniteCheck
@@ -49,6 +53,7 @@ from ._lazy import BackwardPlan, LazyGrads, ParameterGroups, Structure
 from ._recorder import Recorder
 from ._state import StateLog
 from ._tensor import Tensor, check_handle
+from ._values import COMPLEX_HINT
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -111,8 +116,12 @@ class BackwardPlanner:
         create_graph: bool,
         state_log: StateLog,
     ) -> Grads:
-        """Gradients of node ``root`` of ``s``'s recording (``s.backward`` checked the call): the pipeline."""
+        """Gradients of node ``root`` of ``s``'s recording (:meth:`check` passed): the pipeline, or a lane's."""
         rec = self.rec
+        if rec.lane is not None and seed is None and not wrt and not create_graph:
+            laned = self.lane_backward(root, state_log)
+            if laned is not None:
+                return laned
         if self.stepped == rec.generation and not self.warned:
             self.warn_growth()
         old = rec.tape
@@ -198,6 +207,45 @@ class BackwardPlanner:
             # a whole replay of the outline: the next one, on a lane, may reuse this backward's plan as it is
             ol.plan, ol.struct = rec.lazy.plan, struct
         return grads
+
+    def check(self, s: Session, loss: Tensor, seed: Array | None, wrt: Sequence[Tensor]) -> None:
+        """Raise unless ``s.backward(loss, seed, wrt=wrt)`` may run: live handles, gradients on, a real seed, and
+        ``wrt`` handles that require grad.
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> s = tfl.Session()
+        >>> x = s.input(jnp.ones(2))
+        >>> s.backward(tfl.sum(x), wrt=[x])
+        Traceback (most recent call last):
+        tapeflow._core._result.TapeError: backward: wrt[0] ... was recorded without requires_grad, ...
+        """
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
+        check_handle(loss, s)
+        if not self.rec.grad_enabled:
+            raise TapeError(
+                "backward: this is an inference session (grad_enabled=False); it records no gradients. "
+                "Open a Session(grad_enabled=True) to train"
+            )
+        if seed is not None and jnp.iscomplexobj(seed):
+            raise TapeError(f"backward: {COMPLEX_HINT}")
+        for k, h in enumerate(wrt):
+            if not isinstance(h, Tensor):
+                raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
+            check_handle(h, s)
+            # the sweep stops at nodes that need no gradient: their cotangent would read as zeros
+            nd = self.rec.tape.nodes[h.id]
+            if not nd.requires_grad and nd.op is None:
+                raise TapeError(
+                    f"backward: wrt[{k}] {h!r} was recorded without requires_grad, so the loss has no gradient "
+                    "wrt it (it would read as zeros); record it with s.input(..., requires_grad=True)"
+                )
+            if not nd.requires_grad:
+                raise TapeError(
+                    f"backward: wrt[{k}] {h!r} depends on no leaf that requires grad, so the loss has no gradient "
+                    "wrt it (it would read as zeros); record the inputs it is computed from with "
+                    "s.input(..., requires_grad=True)"
+                )
 
     def lane_backward(self, root: NodeId, state_log: StateLog) -> Grads | None:
         """The backward of a lane that replayed the whole outline, by the plan its last backward used (the same

@@ -47,7 +47,7 @@ from .._core._device import concrete_array_type
 from .._core._precision import Precision, cast_operands
 from .._core._registry import attr_key
 from .._core._result import Err, TapeError
-from .._core._tape import Node, Tape, append_node, append_nodes, append_op, check_op, leaf, place
+from .._core._tape import PENDING, Node, Tape, append_node, append_nodes, append_op, check_op, leaf, place
 from .._core._typing import Array, NodeId
 from ._debug import Sites
 from ._gradctl import GradControls
@@ -321,6 +321,17 @@ class Recorder:
         self.now = t
         note_recorded(self.ref)
 
+    def node(self, i: NodeId) -> Node:
+        """Node ``i`` of the recording with its value computed (a lazy recording's program, a host input read)."""
+        t = self.tape
+        nd = t[i]
+        v = nd.value
+        if v is PENDING:
+            materialize(self.lazy, t)  # only a lazy session has pending nodes
+        elif type(v) is np.ndarray:
+            read_host_inputs(t, (i,))
+        return nd
+
     def materialize(self) -> None:
         """Compute every value of a lazy recording that is not computed yet (one compiled program)."""
         t = self.tape
@@ -431,6 +442,15 @@ class Recorder:
                 self.index_flags.append(jnp.all(ok if skip is None else ok | (v == skip)))
             else:
                 check_host_indices(d, specs, attrs, {k: np.asarray(v)})
+
+    def index_guard(self, value: Array) -> Array:
+        """``value``, or NaN where an index this trace recorded is out of range (see
+        :meth:`Session.index_guard <tapeflow.Session.index_guard>`)."""
+        flags = self.index_flags
+        if not flags:
+            return value
+        ok = jnp.all(jnp.stack(flags))
+        return jnp.where(ok, value, jnp.asarray(jnp.nan, value.dtype))
 
     def audit(self, opname: str, dtype: np.dtype) -> None:
         """Note the kernel that runs ``opname`` (its first recording in this session)."""

@@ -23,42 +23,39 @@ gradients and the tied-weight sum in ``_grads.py``.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Literal, Self, cast
+from typing import Literal, Self
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._core import _registry as R
 from .._core._backward import Hook
-from .._core._device import concrete_array_type, default_device, device_of, resolve_device
-from .._core._jvp import jvp_keys
+from .._core._device import default_device, resolve_device
 from .._core._nonfinite import Origin
 from .._core._precision import Precision
 from .._core._result import TapeError
-from .._core._tape import PENDING, Node, Tape, append_node, leaf
+from .._core._tape import Node, Tape
 from .._core._treescope import Rendering, SubtreeRenderer
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from . import _render
 from ._debug import NonFiniteCheck, debug_nans_default
-from ._gradctl import GradControls
+from ._gradctl import GradControls, NoGrad, tangent
 from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
-from ._lazy import LazyRecording, materialize
+from ._lazy import LazyRecording
+from ._leaves import Leaves
 from ._params import Param, Storage
 from ._planner import BackwardPlanner, TapeGrowthWarning
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
 from ._recorder import Recorder
 from ._replay import Outline
-from ._state import StateLog, check_state_cell
+from ._state import StateLog
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, pop_current, push_current
-from ._values import COMPLEX_HINT, ParamSource, RationalFallbackWarning, ValuePolicy, read_host_inputs
+from ._values import ParamSource, RationalFallbackWarning, ValuePolicy
 
 __all__ = ["Mode", "RationalFallbackWarning", "Session", "TapeGrowthWarning", "block_session", "traced_session"]
 
@@ -216,6 +213,7 @@ class Session:
             show_backend=bool(show_backend),
         )
         self._planner = BackwardPlanner(self._recorder, self._grad)
+        self._leaves = Leaves(self._recorder, self._values, host=mode == "lazy")
 
     # -- thread ownership ------------------------------------------------------
     def check_thread(self) -> None:
@@ -452,10 +450,6 @@ class Session:
         return _Current(self)
 
     # -- handles ---------------------------------------------------------------
-    def _handle(self, node_id: NodeId) -> Tensor:
-        nd = self._recorder.tape[node_id]
-        return Tensor(self, self._owner, self._generation, node_id, nd.shape, nd.dtype)
-
     def handle(self, node_id: NodeId) -> Tensor:
         """A handle of node ``node_id`` of the current recording (e.g. a parent of a node you hold).
 
@@ -469,7 +463,7 @@ class Session:
         n = len(self._recorder.tape)
         if type(node_id) is not int or not 0 <= node_id < n:
             raise TapeError(f"Session.handle: no node {node_id!r} in this recording of {n} node(s)")
-        return self._handle(node_id)
+        return self._leaves.handle(self, node_id)
 
     def check(self, h: Tensor) -> None:
         """Raise if ``h`` is not a live handle of this session."""
@@ -478,14 +472,7 @@ class Session:
     def node(self, h: Tensor) -> Node:
         """The recorded node behind the live handle ``h`` (raises for a stale or foreign one), with its value."""
         check_handle(h, self)
-        rec = self._recorder
-        nd = rec.tape[h.id]
-        v = nd.value
-        if v is PENDING:
-            materialize(rec.lazy, rec.tape)  # only a lazy session has pending nodes
-        elif type(v) is np.ndarray:
-            read_host_inputs(rec.tape, (h.id,))
-        return nd
+        return self._recorder.node(h.id)
 
     def value(self, h: Tensor) -> Array:
         """The value of the live handle ``h`` (``node(h).value``); a lane's value that a program computed already
@@ -504,44 +491,10 @@ class Session:
                 return v
         return self.node(h).value
 
-    # -- leaves ----------------------------------------------------------------
-    def _commit(self, t: Tape) -> None:
-        """Install ``t`` as the current tape (the one place the session's tape changes between resets)."""
-        self.check_thread()
-        self._recorder.install(t)
-
-    def _commit_leaf(self, value: Array, requires_grad: bool) -> Tensor:
-        rec = self._recorder
-        t, i = leaf(rec.tape, value, requires_grad=requires_grad and rec.conditions.tracked)
-        self._commit(t)
-        return self._handle(i)
-
+    # -- leaves (the session's Leaves) ------------------------------------------
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
         """Record ``x`` (array-like; integer and boolean too) as a leaf; gradient only if asked."""
-        rec = self._recorder
-        if type(x) is concrete_array_type():  # a jax.Array: leaf() places it
-            dt = cast(Array, x).dtype
-            if dt.kind != "c":
-                if rec.lane is not None:
-                    dev = rec.now.device
-                    if dev is None or device_of(x) is dev:  # placed already: the leaf holds it as it is
-                        got = rec.lane_leaf(self, cast(Array, x), dt, requires_grad)
-                        if got is not None:
-                            return got
-                return self._commit_leaf(cast(Array, x), requires_grad)
-        if isinstance(x, Tensor):
-            x = self.node(x).value
-        v = self._values.prepare(x, host=self._mode == "lazy")
-        if type(v) is np.ndarray and v.dtype != R.OBJECT:  # a lazy session's host input (read as a jax.Array)
-            dt = np.dtype(v.dtype)
-            if rec.lane is not None:
-                got = rec.lane_leaf(self, v, dt, requires_grad)
-                if got is not None:
-                    return got
-            t, i = append_node(rec.tape, Node(None, (), (), v, rec.leaf_grad(requires_grad, dt), v.shape, dt))
-            self._commit(t)
-            return self._handle(i)
-        return self._commit_leaf(v, requires_grad)
+        return self._leaves.input(self, x, requires_grad)
 
     def const(self, x: ArrayLike) -> Tensor:
         """Record a constant leaf (never requires grad)."""
@@ -549,15 +502,11 @@ class Session:
 
     def detach(self, h: Tensor) -> Tensor:
         """A new leaf holding ``h``'s value, cut off from the recording's gradients."""
-        return self._commit_leaf(self.node(h).value, False)
+        return self._leaves.value(self, self.node(h).value, False)
 
     def use(self, p: Param) -> Tensor:
         """Record one use of ``p``: a new leaf holding its current value."""
-        if not isinstance(p, Param):
-            raise TypeError(f"Session.use expects a Param, got {type(p).__name__}")
-        h = self._commit_leaf(self._recorder.param_value(p), p.trainable)
-        self._recorder.register(h.id, p, p.storage)
-        return h
+        return self._leaves.use(self, p)
 
     def register_parameter_leaf(self, h: Tensor, parameter: ParameterRecord, storage: Storage | None = None) -> None:
         """Mark an existing leaf as a parameter registration (advanced).
@@ -566,17 +515,7 @@ class Session:
         grouped alone. A descriptor whose shape or dtype disagrees with the leaf
         is rejected and nothing changes.
         """
-        nd = self.node(h)
-        if nd.op is not None:
-            raise TapeError(
-                f"node #{h.id} is the output of {nd.op!r}, not a leaf; only leaves can be parameter registrations"
-            )
-        if storage is not None and (storage.shape != nd.shape or storage.dtype != nd.dtype):
-            raise TapeError(
-                f"storage {storage!r} does not match leaf #{h.id} of {R.fmt_spec(nd.spec)}; "
-                "a parameter registration's storage must have the leaf's shape and dtype"
-            )
-        self._recorder.register(h.id, parameter, storage)
+        self._leaves.mark(self, h, parameter, storage)
 
     # -- ops (the session's Recorder) ------------------------------------------
     def index_guard(self, value: Array) -> Array:
@@ -591,11 +530,7 @@ class Session:
         >>> s.index_guard(jnp.float32(2.0)).tolist()
         2.0
         """
-        flags = self._recorder.index_flags
-        if not flags:
-            return value
-        ok = jnp.all(jnp.stack(flags))
-        return jnp.where(ok, value, jnp.asarray(jnp.nan, value.dtype))
+        return self._recorder.index_guard(value)
 
     def apply(self, opname: str, *operands: Operand, **attrs: object) -> Tensor:
         """Record registered op ``opname`` on this session; on any failure nothing changes.
@@ -668,50 +603,9 @@ class Session:
         ...     float(g[h]), float(g[x]), float(s.backward(g[x])[x])    # x, 3x^2, 6x
         (3.0, 27.0, 18.0)
         """
-        self._check_backward(loss, seed, wrt)
-        if self._recorder.lane is not None and seed is None and not wrt and not create_graph:
-            laned = self._lane_backward(loss)
-            if laned is not None:
-                return laned
-        wrt_ids = tuple(h.id for h in wrt)
-        return self._planner.backward(self, loss.id, seed, wrt_ids, create_graph, self._state_log)
-
-    def _check_backward(self, loss: Tensor, seed: Array | None, wrt: Sequence[Tensor]) -> None:
-        """Raise unless ``backward(loss, seed, wrt=wrt)`` may run: live handles, gradients on, a real seed, and
-        ``wrt`` handles that require grad."""
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"Session.backward expects a Tensor handle, got {type(loss).__name__}")
-        check_handle(loss, self)
-        if not self.grad_enabled:
-            raise TapeError(
-                "backward: this is an inference session (grad_enabled=False); it records no gradients. "
-                "Open a Session(grad_enabled=True) to train"
-            )
-        if seed is not None and jnp.iscomplexobj(seed):
-            raise TapeError(f"backward: {COMPLEX_HINT}")
-        for k, h in enumerate(wrt):
-            if not isinstance(h, Tensor):
-                raise TypeError(f"backward: wrt takes Tensor handles of this session, got {type(h).__name__}")
-            check_handle(h, self)
-            # the sweep stops at nodes that need no gradient: their cotangent would read as zeros
-            nd = self._recorder.tape.nodes[h.id]
-            if not nd.requires_grad and nd.op is None:
-                raise TapeError(
-                    f"backward: wrt[{k}] {h!r} was recorded without requires_grad, so the loss has no gradient "
-                    "wrt it (it would read as zeros); record it with s.input(..., requires_grad=True)"
-                )
-            if not nd.requires_grad:
-                raise TapeError(
-                    f"backward: wrt[{k}] {h!r} depends on no leaf that requires grad, so the loss has no gradient "
-                    "wrt it (it would read as zeros); record the inputs it is computed from with "
-                    "s.input(..., requires_grad=True)"
-                )
-
-    def _lane_backward(self, loss: Tensor) -> Grads | None:
-        """:meth:`backward` of a lane that replayed the whole outline (see
-        :meth:`BackwardPlanner.lane_backward <tapeflow._shell._planner.BackwardPlanner.lane_backward>`); None:
-        the planner's pipeline."""
-        return self._planner.lane_backward(loss.id, self._state_log)
+        planner = self._planner
+        planner.check(self, loss, seed, wrt)
+        return planner.backward(self, loss.id, seed, tuple(h.id for h in wrt), create_graph, self._state_log)
 
     def nonfinite_origin(self, loss: Tensor, seed: Array | None = None) -> Origin | None:
         """Where the first non-finite value reaching ``loss`` or its gradients was made (None: all finite).
@@ -791,7 +685,7 @@ class Session:
     def _random(self, method: str, kind: RandomKind, shape: int | tuple[int, ...], dtype: DTypeLike | None) -> Tensor:
         # every check before the draw: a rejected call advances no counter and records nothing
         self.check_thread()
-        return self._commit_leaf(self._rng.draw(method, kind, shape, dtype), False)
+        return self._leaves.value(self, self._rng.draw(method, kind, shape, dtype), False)
 
     def rand_uniform(
         self, shape: int | tuple[int, ...], dtype: DTypeLike = jnp.float32, low: float = 0.0, high: float = 1.0
@@ -870,14 +764,8 @@ class Session:
         [0.1, 0.2]
         """
         self.check_thread()
-        cell = check_state_cell(param)
         v = self.node(value).value if isinstance(value, Tensor) else value
-        traced = self._mode == "traced"
-        new = self._state_log.assign(cell, v, eager=not traced)
-        if traced:
-            src = self._param_source
-            assert src is not None  # a traced session always records the step's values
-            src.write(cell.storage, new)  # later uses in this recording read the new value
+        self._state_log.assign_cell(param, v, self._param_source if self._mode == "traced" else None)
 
     # -- gradient controls (the session's GradControls) ------------------------
     def register_hook(self, h: Tensor, fn: Hook) -> RemovableHandle:
@@ -893,8 +781,7 @@ class Session:
         check_handle(h, self)
         return self._grad.register(h.id, fn)
 
-    @contextlib.contextmanager
-    def no_grad(self) -> Iterator[Self]:
+    def no_grad(self) -> AbstractContextManager[Self]:
         """Record without gradient tracking inside the block (ops and leaves get ``requires_grad=False``).
 
         >>> import jax.numpy as jnp, tapeflow as tfl
@@ -905,14 +792,7 @@ class Session:
         ...     frozen.requires_grad, (w * 2.0).requires_grad
         (False, True)
         """
-        self.check_thread()
-        rec = self._recorder
-        try:
-            with self._grad.paused():
-                rec.retune()  # the grad depth is one of the recorder's conditions
-                yield self
-        finally:
-            rec.retune()
+        return NoGrad(self, self._grad, self.check_thread, self._recorder.retune)
 
     def jvp(self, output: Tensor, tangents: Mapping[Tensor | Param, ArrayLike]) -> Array:
         """The tangent of ``output`` given tangents of live handles and of Params (a Param's reaches all its uses).
@@ -923,14 +803,7 @@ class Session:
         >>> float(s.jvp(tfl.sum(x * w), {x: jnp.ones(2), w: jnp.array([1.0, 0.0])}))
         6.0
         """
-        for k in (output, *tangents):
-            if isinstance(k, Tensor):
-                check_handle(k, self)
-            elif not (isinstance(k, Param) and isinstance(output, Tensor)):  # output: a Tensor, keys: also Params
-                raise TypeError(f"Session.jvp takes a Tensor output and Tensor or Param keys, got {type(k).__name__}")
-        self.materialize()  # the tangent sweep reads the forward values
-        rec = self._recorder
-        return jvp_keys(rec.tape, output.id, tangents, rec.storage_by_leaf)
+        return tangent(self, output, tangents, self._recorder.storage_by_leaf)
 
     # -- pictures (the bodies live in _render.py) ------------------------------
     def leaf_names(self) -> dict[NodeId, str]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,9 @@ from .._core._typing import Array, ArrayLike
 from ._commit import commit
 from ._grads import Grads
 from ._params import Param, Storage
+
+if TYPE_CHECKING:
+    from ._values import ParamSource
 
 __all__ = [
     "ModeOwner",
@@ -221,6 +224,21 @@ class StateLog:
             )
         self.write(st, v, eager=eager)
         return v
+
+    def assign_cell(self, param: object, value: ArrayLike, source: ParamSource | None) -> None:
+        """:meth:`Session.assign_state <tapeflow.Session.assign_state>` on this log: ``param`` checked as a state
+        cell (:func:`check_state_cell`), ``value`` checked and noted. Written into the storage now, or, given a
+        traced recording's ``source``, only recorded there (its later uses in the recording read it).
+
+        >>> import jax.numpy as jnp, tapeflow as tfl
+        >>> cell = tfl.Param(jnp.zeros(()), trainable=False)
+        >>> StateLog().assign_cell(cell, 3.0, None); float(cell.value)
+        3.0
+        """
+        cell = check_state_cell(param)
+        new = self.assign(cell, value, eager=source is None)
+        if source is not None:
+            source.write(cell.storage, new)
 
     def attach(self, grads: Grads) -> None:
         """Let ``grads`` carry this log (when it holds eager writes), so a failed optimizer step can undo them."""
