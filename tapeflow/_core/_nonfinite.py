@@ -331,7 +331,8 @@ def nonfinite_origin(tape: Tape, root: object, seed: ArrayLike | None = None) ->
     docstring.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> t, x = tfl.leaf(tfl.Tape.empty(), jnp.array([0.0, 1.0]), requires_grad=True)
+    >>> x0 = jnp.array([0.0, 1.0])
+    >>> t, x = tfl.leaf(tfl.Tape.empty(), x0, requires_grad=True)
     >>> t, y = tfl.record(t, "sqrt", (x,))
     >>> t, z = tfl.record(t, "sum", (y.value,))
     >>> o = tfl.nonfinite_origin(t, z.value)

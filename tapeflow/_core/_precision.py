@@ -195,9 +195,11 @@ def dynamic_loss_scale(
 
     >>> import jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.array([1.0, 2.0]))
-    >>> opt = tfl.Optimizer(tfl.dynamic_loss_scale(optax.sgd(0.5), initial_scale=8.0), [w])
+    >>> scaled = tfl.dynamic_loss_scale(optax.sgd(0.5), initial_scale=8.0)
+    >>> opt = tfl.Optimizer(scaled, [w])
     >>> with tfl.Session(compute_dtype=jnp.float16) as s:
-    ...     opt.step(s.backward(tfl.sum(w * w) * opt.state.scale))   # gradient 2w, unscaled
+    ...     loss = tfl.sum(w * w) * opt.state.scale
+    ...     opt.step(s.backward(loss))  # gradient 2w, unscaled
     >>> w.value.tolist(), float(opt.state.scale)
     ([0.0, 0.0], 8.0)
     """

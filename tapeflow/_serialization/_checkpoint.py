@@ -249,7 +249,8 @@ def save(
     >>> tfl.restore(d, [w2], opt2, s2)
     >>> w2.value.tolist(), s2.seed
     ([1.0, 1.0], 1)
-    >>> tfl.restore(d, [w2, tfl.Param(jnp.zeros(2))])  # doctest: +NORMALIZE_WHITESPACE
+    >>> extra = tfl.Param(jnp.zeros(2))
+    >>> tfl.restore(d, [w2, extra])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     tapeflow.CheckpointError: checkpoint at ... has 1 parameter registrations,
       the destination has 2; ...
@@ -542,16 +543,22 @@ def restore(
     >>> import tempfile, os, jax.numpy as jnp, optax, tapeflow as tfl
     >>> w = tfl.Param(jnp.ones(2), name="w")
     >>> opt = tfl.Optimizer(optax.sgd(0.1), [w])
-    >>> step = tfl.train_step(lambda s, x: tfl.sum(tfl.dropout(w * x, 0.5)), opt, seed=5)
+    >>> def loss_fn(s, x):
+    ...     return tfl.sum(tfl.dropout(w * x, 0.5))
+    >>> step = tfl.train_step(loss_fn, opt, seed=5)
     >>> _ = step(jnp.ones(2)); _ = step(jnp.ones(2))
     >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> tfl.save(d, [w], opt, step)
     >>> w2 = tfl.Param(jnp.zeros(2), name="w")
     >>> opt2 = tfl.Optimizer(optax.sgd(0.1), [w2])
-    >>> step2 = tfl.train_step(lambda s, x: tfl.sum(tfl.dropout(w2 * x, 0.5)), opt2)
+    >>> def loss_fn2(s, x):
+    ...     return tfl.sum(tfl.dropout(w2 * x, 0.5))
+    >>> step2 = tfl.train_step(loss_fn2, opt2)
     >>> tfl.restore(d, [w2], opt2, step2)
-    >>> step2.seed, step2.step_count, bool(step(jnp.ones(2)) == step2(jnp.ones(2)))
-    (5, 2, True)
+    >>> step2.seed, step2.step_count
+    (5, 2)
+    >>> bool(step(jnp.ones(2)) == step2(jnp.ones(2)))
+    True
     """
     _check_rng_owner(session, "restore")
     check_thread = getattr(session, "check_thread", None)

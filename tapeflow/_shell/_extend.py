@@ -415,7 +415,7 @@ def defop(
     ...     x = s.input(jnp.array(2.0), requires_grad=True)
     ...     float(s.backward(tfl.apply("doc_cube", x, scale=0.5))[x])
     6.0
-    >>> R.unregister("doc_cube") is d  # (the doctests leave the registry as they found it)
+    >>> R.unregister("doc_cube") is d  # leave the registry as it was
     True
     """
     if not callable(forward):

@@ -326,7 +326,8 @@ class Session:
         """The mixed-precision policy (``Session(compute_dtype=...)``), or None: every op in its operands' dtypes.
 
         >>> import jax.numpy as jnp, tapeflow as tfl
-        >>> tfl.Session().precision is None, tfl.Session(compute_dtype=jnp.bfloat16).precision is not None
+        >>> bf16 = tfl.Session(compute_dtype=jnp.bfloat16)
+        >>> tfl.Session().precision is None, bf16.precision is not None
         (True, True)
         """
         return self._recorder.precision

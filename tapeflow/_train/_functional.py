@@ -464,7 +464,8 @@ class TrainStep:
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> w = tfl.Param(jnp.array(1.0))
-        >>> step = tfl.train_step(lambda s, x: w * x, tfl.Optimizer(optax.sgd(0.5), [w]))
+        >>> opt = tfl.Optimizer(optax.sgd(0.5), [w])
+        >>> step = tfl.train_step(lambda s, x: w * x, opt)
         >>> step.set_rng_state(seed=7, counter=4); step.seed, step.step_count
         (7, 4)
         >>> step.set_rng_state(counter=-1)

@@ -248,7 +248,8 @@ class Optimizer:
         then :meth:`set_hyperparams`.
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
-        >>> w, b = tfl.Param(jnp.ones((2, 2)), name="w"), tfl.Param(jnp.ones(2), name="b")
+        >>> w = tfl.Param(jnp.ones((2, 2)), name="w")
+        >>> b = tfl.Param(jnp.ones(2), name="b")
         >>> opt = tfl.Optimizer.from_groups(
         ...     [
         ...         {"params": [w], "weight_decay": 0.1},
@@ -339,11 +340,13 @@ class Optimizer:
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> w = tfl.Param(jnp.array(1.0), name="w")
-        >>> opt = tfl.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), [w])
+        >>> sgd = optax.inject_hyperparams(optax.sgd)
+        >>> opt = tfl.Optimizer(sgd(learning_rate=0.5), [w])
         >>> opt.set_hyperparams(learning_rate=0.25)
         >>> with tfl.Session() as s:
         ...     opt.step(s.backward(w * 2.0))
-        >>> float(w.value), float(opt.state.hyperparams["learning_rate"])   # 1.0 - 0.25 * 2.0
+        >>> lr = opt.state.hyperparams["learning_rate"]
+        >>> float(w.value), float(lr)  # 1.0 - 0.25 * 2.0
         (0.5, 0.25)
         """
         where = "Optimizer.set_hyperparams"
@@ -494,7 +497,8 @@ class Optimizer:
         """Slot ``k`` as error messages name it (the repr of its storage's first registration); every slot without ``k``.
 
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
-        >>> opt = tfl.Optimizer(optax.sgd(0.1), {"w": tfl.Param(jnp.ones(2), name="w")})
+        >>> w = tfl.Param(jnp.ones(2), name="w")
+        >>> opt = tfl.Optimizer(optax.sgd(0.1), {"w": w})
         >>> print(opt.describe())
         slot 0 ('w'): Param('w', float32[2], storage=#...)
         """
@@ -670,7 +674,8 @@ class Optimizer:
         >>> import jax.numpy as jnp, optax, tapeflow as tfl
         >>> params = [tfl.Param(jnp.ones(2)), tfl.Param(jnp.ones(1))]
         >>> opt = tfl.Optimizer(optax.sgd(0.5), params)
-        >>> vals, state = opt.update([jnp.ones(2), jnp.ones(1)], opt.state, [jnp.ones(2), None])
+        >>> grads = [jnp.ones(2), None]
+        >>> vals, state = opt.update([jnp.ones(2), jnp.ones(1)], opt.state, grads)
         >>> [v.tolist() for v in vals]
         [[0.5, 0.5], [1.0]]
         """
