@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as tape_backward
+from .._core._nonfinite import Origin
 from .._core._result import TapeError
 from .._core._tape import Tape
 from .._core._typing import Array, NodeId
@@ -347,6 +348,13 @@ class BackwardPlanner:
         if rec.mode == "traced" or (not rec.debug_nans and rec.mode != "eager"):
             return None  # a traced session's caller (train_step, value_and_grad) checks its program's outputs
         return NonFiniteCheck(rec.debug_nans, tape, root, seed, rec.sites, rec.params_by_leaf)
+
+    def origin(self, root: NodeId, seed: Array | None) -> Origin | None:
+        """Where the first non-finite value reaching node ``root`` or its gradients was made (None: all finite),
+        searched on the recording's computed values (see :meth:`Session.nonfinite_origin
+        <tapeflow.Session.nonfinite_origin>`)."""
+        rec = self.rec
+        return NonFiniteCheck(rec.debug_nans, rec.tape, root, seed, rec.sites, rec.params_by_leaf).explain()
 
     def compiles(self, tape: Tape) -> bool:
         """Whether this eager backward of ``tape`` runs as one compiled program.

@@ -332,6 +332,16 @@ class Recorder:
             read_host_inputs(t, (i,))
         return nd
 
+    def value(self, i: NodeId) -> Array:
+        """The value of node ``i``; one a lane's program computed already (the loss of a fused step) is read
+        without building the recording's nodes."""
+        lane = self.lane
+        if lane is not None:
+            v = lane.filled.get(i)
+            if v is not None:
+                return v
+        return self.node(i).value
+
     def materialize(self) -> None:
         """Compute every value of a lazy recording that is not computed yet (one compiled program)."""
         t = self.tape
@@ -380,6 +390,15 @@ class Recorder:
         self.params_by_leaf[leaf_id] = p
         if storage is not None:
             self.storage_by_leaf[leaf_id] = storage
+
+    def param_leaves(self) -> dict[NodeId, ParameterRecord]:
+        """The Param leaves of the recording by node id (a lane's registered as its nodes are built now)."""
+        self.flush()
+        return self.params_by_leaf
+
+    def storage_groups(self) -> list[ParameterGroup]:
+        """Every Param leaf of the recording grouped by the storage it reads (trainable or not)."""
+        return group_parameter_leaves(self.param_leaves(), self.storage_by_leaf)
 
     def parameter_groups(self) -> list[ParameterGroup]:
         """Trainable parameter leaves of this recording grouped by storage identity."""

@@ -43,9 +43,9 @@ from .._core._tape import Node, Tape
 from .._core._treescope import Rendering, SubtreeRenderer
 from .._core._typing import Array, ArrayLike, DeviceLike, DTypeLike, NodeId, PRNGKey
 from . import _render
-from ._debug import NonFiniteCheck, debug_nans_default
+from ._debug import debug_nans_default
 from ._gradctl import GradControls, NoGrad, tangent
-from ._grads import Grads, ParameterGroup, ParameterRecord, group_parameter_leaves
+from ._grads import Grads, ParameterGroup, ParameterRecord
 from ._lazy import LazyRecording
 from ._leaves import Leaves
 from ._params import Param, Storage
@@ -199,19 +199,12 @@ class Session:
         self._rng = RandomStream(seed, key)
         self._state_log = StateLog()  # assign_state's writes in this recording
         self._grad = GradControls()
+        precision = None if compute_dtype is None else Precision(compute_dtype)  # the mixed precision policy
         self._recorder = Recorder(
-            owner=self._owner,
-            ref=self._ref,
-            device=device,
-            mode=mode,
-            values=self._values,
-            source=params,
-            grad=self._grad,
-            precision=None if compute_dtype is None else Precision(compute_dtype),  # mixed precision policy
-            debug_nans=debug_nans,
-            grad_enabled=bool(grad_enabled),
+            owner=self._owner, ref=self._ref, device=device, mode=mode, values=self._values, source=params,
+            grad=self._grad, precision=precision, debug_nans=debug_nans, grad_enabled=bool(grad_enabled),
             show_backend=bool(show_backend),
-        )
+        )  # fmt: skip
         self._planner = BackwardPlanner(self._recorder, self._grad)
         self._leaves = Leaves(self._recorder, self._values, host=mode == "lazy")
 
@@ -484,13 +477,8 @@ class Session:
         >>> s.value(s.input(jnp.ones(2)) * 2.0).tolist()
         [2.0, 2.0]
         """
-        lane = self._recorder.lane
-        if lane is not None:
-            check_handle(h, self)
-            v = lane.filled.get(h.id)
-            if v is not None:
-                return v
-        return self.node(h).value
+        check_handle(h, self)
+        return self._recorder.value(h.id)
 
     # -- leaves (the session's Leaves) ------------------------------------------
     def input(self, x: ArrayLike | Tensor, requires_grad: bool = False) -> Tensor:
@@ -623,8 +611,7 @@ class Session:
         """
         check_handle(loss, self)
         self.materialize()
-        rec = self._recorder
-        return NonFiniteCheck(rec.debug_nans, rec.tape, loss.id, seed, rec.sites, rec.params_by_leaf).explain()
+        return self._planner.origin(loss.id, seed)
 
     # -- reset -----------------------------------------------------------------
     def reset(self) -> None:
@@ -823,9 +810,7 @@ class Session:
         {1: 'W', 3: 'W_dec'}
         """
         self.check_thread()
-        rec = self._recorder
-        rec.flush()  # a lane registers its Param leaves as it builds their nodes
-        return _render.leaf_names(rec.params_by_leaf)
+        return _render.leaf_names(self._recorder.param_leaves())
 
     def leaf_storages(self) -> dict[NodeId, str]:
         """The storage each Param leaf reads, by node id: ``"<name> storage"``, named after its first use.
@@ -844,8 +829,7 @@ class Session:
         {1: 'W storage', 3: 'W storage'}
         """
         names = self.leaf_names()
-        rec = self._recorder
-        return _render.storage_labels(names, group_parameter_leaves(rec.params_by_leaf, rec.storage_by_leaf))
+        return _render.storage_labels(names, self._recorder.storage_groups())
 
     def to_dot(self) -> str:
         """Graphviz DOT text of this recording, with Param leaves named and the storages they read drawn.
