@@ -17,11 +17,14 @@ Reads one or more results files (written by ``bench_*.py --json PATH``) and
 
 * with ``--markdown PAGE``, rewrites the part of PAGE between
   ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->`` with tables of
-  the numbers and the machine, versions, dates and commands they come from.
+  the numbers and the machine, versions, dates and commands they come from;
+* with ``--nan-guide PAGE``, the part between ``<!-- nan-cost:start -->`` and
+  ``<!-- nan-cost:end -->`` with what ``debug_nans`` costs (bench_debug_nans).
 
 Usage::
 
-    python benchmarks/plot.py benchmarks/results/*.json --out-dir docs/images --markdown docs/performance.md
+    python benchmarks/plot.py benchmarks/results/*.json --out-dir docs/images --markdown docs/performance.md \\
+        --nan-guide docs/debugging-nans.md
 
 Only matplotlib is needed (``pip install -e '.[demo]'``); JAX is not imported.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,6 +44,9 @@ TIMES, MINUS = "\u00d7", "\u2212"  # the multiplication sign and minus sign of t
 
 START = "<!-- perf-table:start -->"
 END = "<!-- perf-table:end -->"
+# the cost table of docs/debugging-nans.md, from bench_debug_nans's results (--nan-guide PAGE)
+NAN_START = "<!-- nan-cost:start -->"
+NAN_END = "<!-- nan-cost:end -->"
 
 TRAIN_SECTION = "train"
 PER_OP_SECTIONS = ("per_op", "session_per_op")
@@ -743,8 +750,13 @@ def machine_table(runs: Sequence[Run]) -> str:
 
 
 def all_results(run: Run) -> str:
-    """A run's every result; a column with one value in every row is a line above the table instead."""
-    rows = []
+    """A run's every result, one table per section (named in a line above it).
+
+    One table of every row, with a section column beside the model, variant, time, ratio and
+    target, is wider than the page; within a section a column with one value in every row is a
+    line above the table instead.
+    """
+    groups: dict[str, list[list[str]]] = {}
     for row in run.results:
         if row.get("time_us") is not None:
             t = f"{fmt_us(float(row['time_us']))} / {row.get('per', '')}"
@@ -753,16 +765,20 @@ def all_results(run: Run) -> str:
         else:
             t = ""
         ratio = row.get("ratio")
-        rows.append(
-            [
-                row.get("section", ""),
-                row.get("model", ""),
-                row.get("variant", ""),
-                t,
-                "" if ratio is None else f"{ratio:.2f}{TIMES} {row.get('baseline')}",
-                row.get("target", ""),
-            ]
-        )
+        cells = [
+            str(row.get("section", "")),
+            str(row.get("model", "")),
+            # "train_step+jax_debug_nans" is one word a column cannot wrap; "train_step + ..." wraps
+            str(row.get("variant", "")).replace("+", " + "),
+            t,
+            "" if ratio is None else f"{ratio:.2f}{TIMES} {row.get('baseline')}",
+            str(row.get("target", "")),
+        ]
+        groups.setdefault(cells[0], []).append(cells)
+    return "\n\n".join(_results_table(rows) for rows in groups.values())
+
+
+def _results_table(rows: list[list[str]]) -> str:
     header = ["section", "model", "variant", "time", "ratio", "target"]
     align = ["l", "l", "l", "r", "r", "l"]
     keep = [c for c in range(len(header)) if len(rows) < 2 or len({r[c] for r in rows}) > 1 or c == 3]
@@ -807,14 +823,71 @@ def source_names(runs: Sequence[Run], base: Path) -> list[str]:
     return names
 
 
-def fill_markdown(page: Path, body: str) -> None:
+def fill_markdown(page: Path, body: str, start: str = START, end: str = END) -> None:
     """Replace the text between the markers in ``page`` with ``body``."""
     text = page.read_text()
-    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
-        raise SystemExit(f"{page}: needs one {START} line followed by one {END} line")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise SystemExit(f"{page}: needs one {start} line followed by one {end} line")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    page.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def short_model(model: str) -> str:
+    """A model's name without its sizes: ``MLP 784-256-256-10`` is ``MLP``, ``char LM (2x64, ...)`` ``char LM``."""
+    return re.split(r"\s+[\d(]", model, maxsplit=1)[0]
+
+
+NAN_PATHS = ("eager", "lazy", "train_step")
+
+
+def nan_cost(runs: Sequence[Run]) -> str:
+    """The debugging guide's table of what ``debug_nans`` costs, and its failing step's time, from bench_debug_nans.
+
+    One row per model and path: each checker's step time as a ratio to the same path's step with it
+    off (PyTorch's ``detect_anomaly``: to PyTorch's own step), then the time of a step that fails and
+    locates the origin.
+    """
+    got = [r for r in runs if r.benchmark == "bench_debug_nans"]
+    if len(got) != 1:
+        raise SystemExit(f"--nan-guide needs one bench_debug_nans results file, got {len(got)}")
+    rows = got[0].results
+
+    def ratio(section: str, model: str, variant: str) -> str:
+        r = next(
+            (r for r in rows if (r.get("section"), r.get("model"), r.get("variant")) == (section, model, variant)), None
+        )
+        return "" if r is None or r.get("ratio") is None else f"{r['ratio']:.2f}x"
+
+    models = list(dict.fromkeys(str(r["model"]) for r in rows if r.get("section") == "debug_nans"))
+    header = [
+        "model",
+        "path",
+        "`debug_nans=True`",
+        "waiting every step",
+        "`jax_debug_nans`",
+        "PyTorch `detect_anomaly`",
+    ]
+    body = []
+    for m in models:
+        for path in NAN_PATHS:
+            anomaly = ratio("debug_nans", m, "pytorch+detect_anomaly") if path == "eager" else ""
+            cells = [ratio("debug_nans", m, f"{path}+{c}") for c in ("debug_nans", "wait", "jax_debug_nans")]
+            body.append([short_model(m), path, *cells, anomaly])
+    parts = [f"The models: {' and '.join(models)}.", table(header, body, ["l", "l", "r", "r", "r", "r"])]
+    failing = []
+    for r in rows:
+        v = str(r.get("variant", ""))
+        if r.get("section") == "debug_nans_locate" and v.endswith("_failing") and r.get("time_us") is not None:
+            failing.append((short_model(str(r["model"])), v.removesuffix("_failing"), r))
+    if failing:
+        said = ", ".join(
+            f"{path} {fmt_us(float(r['time_us']))} ({r['ratio']:.2f}x a normal step)" for _, path, r in failing
+        )
+        parts.append(
+            f"After a failure, the {failing[0][0]}'s failing step, which finds and locates the origin, takes {said}."
+        )
+    return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------- main
@@ -825,6 +898,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     ap.add_argument("results", nargs="+", help="results files written by bench_*.py --json")
     ap.add_argument("--out-dir", default="docs/images", help="where the SVG charts go (default: docs/images)")
     ap.add_argument("--markdown", metavar="PAGE", help="fill PAGE's perf-table block with tables of the numbers")
+    ap.add_argument("--nan-guide", metavar="PAGE", help="fill PAGE's nan-cost block with bench_debug_nans's costs")
     ap.add_argument("--no-charts", action="store_true", help="only the --markdown tables")
     ap.add_argument("--format", choices=("svg", "png"), default="svg", help="chart format (default: svg)")
     args = ap.parse_args(argv)
@@ -844,6 +918,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
         fill_markdown(page, render_markdown(runs, source_names(runs, Path.cwd())))
         written.append(page)
         print(f"wrote {page} (between {START} and {END})")
+    if args.nan_guide:
+        page = Path(args.nan_guide)
+        fill_markdown(page, nan_cost(runs), NAN_START, NAN_END)
+        written.append(page)
+        print(f"wrote {page} (between {NAN_START} and {NAN_END})")
     return written
 
 

@@ -234,6 +234,25 @@ def test_plot_fills_the_markdown_block(tmp_path: Path) -> None:
         plot.main([*files, "--no-charts", "--markdown", str(page)])
 
 
+def test_nan_guide_costs_are_generated_from_the_committed_results() -> None:
+    """docs/debugging-nans.md's cost table and failing-step times are what plot.py makes of debug_nans.json.
+
+    After a new run: python benchmarks/plot.py benchmarks/results/*.json --no-charts
+    --markdown docs/performance.md --nan-guide docs/debugging-nans.md
+    """
+    plot = _load("plot")
+    runs = plot.load(sorted(RESULTS.glob("*.json")))
+    want = plot.nan_cost(runs)
+    text = (ROOT / "docs" / "debugging-nans.md").read_text()
+    assert text.count(plot.NAN_START) == 1 and text.count(plot.NAN_END) == 1
+    got = text.split(plot.NAN_START, 1)[1].split(plot.NAN_END, 1)[0].strip("\n")
+    assert got == want, "docs/debugging-nans.md's costs are out of date with benchmarks/results/debug_nans.json"
+    # every path of both models has its checker's ratio, and the failing step's time is said
+    rows = [line for line in want.splitlines() if line.startswith(("| MLP |", "| char LM |"))]
+    assert len(rows) == 6 and all(line.split(" | ")[2].endswith("x") for line in rows)
+    assert "failing step" in want and "a normal step" in want
+
+
 def test_performance_page_is_generated_from_the_committed_results() -> None:
     """docs/performance.md's numbers are exactly what plot.py makes of benchmarks/results/*.json.
 
