@@ -3,9 +3,10 @@
 A :class:`Session` is a facade over its parts, one job each: its
 :class:`~tapeflow._shell._recorder.Recorder` turns calls into nodes (the tape,
 the Param leaves, the replay of the last recording), its
-:class:`~tapeflow._shell._planner.BackwardPlanner` runs backwards, its
-``RandomStream``, ``StateLog`` and ``GradControls`` hold the random stream, the
-state writes and the hooks. The session itself is the identity every handle is
+:class:`~tapeflow._shell._leaves.Leaves` place values and append them as
+leaves, its :class:`~tapeflow._shell._planner.BackwardPlanner` checks and runs
+backwards, its ``RandomStream``, ``StateLog`` and ``GradControls`` hold the
+random stream, the state writes, the hooks and ``no_grad`` blocks. The session itself is the identity every handle is
 checked against: the owner id, the generation counter that makes old
 :class:`~tapeflow.Tensor` handles stale after :meth:`Session.reset`, the thread,
 the mode and the device. Handles and operators live in ``_tensor.py``,
