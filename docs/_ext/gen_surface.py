@@ -248,12 +248,20 @@ _RECORDS_CELL = re.compile(r"^(\| `[^`]*` \| `[^`]*` \| )(ops?):(\S+)(?= \|)", r
 
 
 def readable_records(table: str) -> str:
-    """The records cells of a surface table with a space after the colon and each comma.
+    """A surface table as it fits the text column: each call in one cell, records cells that wrap.
 
-    ``ops:index,tfl.numpy.take_along_axis`` is one word a table column cannot wrap, so it widens
-    the column until the table scrolls sideways; ``ops: index, tfl.numpy.take_along_axis`` wraps.
+    A long name and the longest parameter of a signature in cells of their own make two columns
+    no narrower than them, and with the records and notes beside them the table is wider than the
+    page: the name and its signature share a cell (two code spans, the line breaks between the
+    parameters). ``ops:index,tfl.numpy.take_along_axis`` is one word a column cannot wrap;
+    ``ops: index, tfl.numpy.take_along_axis`` wraps.
     """
-    return _RECORDS_CELL.sub(lambda m: f"{m[1]}{m[2]}: {', '.join(m[3].split(','))}", table)
+    table = _RECORDS_CELL.sub(lambda m: f"{m[1]}{m[2]}: {', '.join(m[3].split(','))}", table)
+    table = table.replace("| name | signature | records | notes |\n|---|---|---|---|", _HEADER, 1)
+    return re.sub(r"^\| (`[^`]*`) \| (`[^`]*`) \|", r"| \1 \2 |", table, flags=re.M)
+
+
+_HEADER = "| name and signature | records | notes |\n|---|---|---|"
 
 
 def surface_tables() -> str:

@@ -19,7 +19,9 @@ included), and only record ops, so they run eagerly in a
 >>> len(model.parameter_records())
 4
 >>> opt = tfl.Optimizer(optax.adam(1e-2), model)
->>> step = tfl.train_step(lambda s, ids: tfl.cross_entropy(model(ids), ids), opt)
+>>> def loss_fn(s, ids):
+...     return tfl.cross_entropy(model(ids), ids)
+>>> step = tfl.train_step(loss_fn, opt)
 >>> loss = step(jnp.array([1, 2, 3]))
 """
 

@@ -124,7 +124,8 @@ class LogSoftmax(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     [round(v, 4) for v in tfl.nn.LogSoftmax(dim=-1)(s.input(jnp.zeros(2))).tolist()]
+    ...     x = s.input(jnp.zeros(2))
+    ...     [round(v, 4) for v in tfl.nn.LogSoftmax(dim=-1)(x).tolist()]
     [-0.6931, -0.6931]
     """
 

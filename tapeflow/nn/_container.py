@@ -65,7 +65,9 @@ class Sequential(_Container):
     Indexing with an int gives an entry, with a slice a new ``Sequential``.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> net = tfl.nn.Sequential(tfl.nn.Linear(3, 4), tfl.nn.ReLU(), tfl.nn.Linear(4, 1))
+    >>> net = tfl.nn.Sequential(
+    ...     tfl.nn.Linear(3, 4), tfl.nn.ReLU(), tfl.nn.Linear(4, 1)
+    ... )
     >>> [n for n, _ in net.named_parameters()]
     ['0.weight', '0.bias', '2.weight', '2.bias']
     >>> with tfl.Session() as s:
@@ -172,7 +174,9 @@ class ModuleDict(_Container):
     """Modules by name, in insertion order, as ``torch.nn.ModuleDict``; it has no forward.
 
     >>> import tapeflow as tfl
-    >>> heads = tfl.nn.ModuleDict({"cls": tfl.nn.Linear(4, 2), "reg": tfl.nn.Linear(4, 1)})
+    >>> heads = tfl.nn.ModuleDict(
+    ...     {"cls": tfl.nn.Linear(4, 2), "reg": tfl.nn.Linear(4, 1)}
+    ... )
     >>> list(heads), [n for n, _ in heads.named_parameters()][:2]
     (['cls', 'reg'], ['cls.weight', 'cls.bias'])
     """

@@ -237,7 +237,9 @@ class ConvTranspose2d(_ConvNd):
     dimensions) picks the ``output_padding`` that gives that size, as PyTorch does.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> up = tfl.nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, output_padding=1)
+    >>> up = tfl.nn.ConvTranspose2d(
+    ...     4, 2, 3, stride=2, padding=1, output_padding=1
+    ... )
     >>> up.weight.shape
     (4, 2, 3, 3)
     >>> with tfl.Session() as s:
@@ -339,7 +341,8 @@ class MaxPool1d(_MaxPoolNd):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.MaxPool1d(2)(s.input(jnp.arange(6.0).reshape(1, 1, 6))).tolist()
+    ...     x = s.input(jnp.arange(6.0).reshape(1, 1, 6))
+    ...     tfl.nn.MaxPool1d(2)(x).tolist()
     [[[1.0, 3.0, 5.0]]]
     """
 
@@ -365,7 +368,8 @@ class AvgPool1d(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.AvgPool1d(2)(s.input(jnp.arange(4.0).reshape(1, 1, 4))).tolist()
+    ...     x = s.input(jnp.arange(4.0).reshape(1, 1, 4))
+    ...     tfl.nn.AvgPool1d(2)(x).tolist()
     [[[0.5, 2.5]]]
     """
 
@@ -437,7 +441,8 @@ class AdaptiveAvgPool1d(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.AdaptiveAvgPool1d(1)(s.input(jnp.arange(4.0).reshape(1, 1, 4))).tolist()
+    ...     x = s.input(jnp.arange(4.0).reshape(1, 1, 4))
+    ...     tfl.nn.AdaptiveAvgPool1d(1)(x).tolist()
     [[[1.5]]]
     """
 
@@ -457,7 +462,8 @@ class AdaptiveAvgPool2d(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.AdaptiveAvgPool2d((1, 1))(s.input(jnp.ones((2, 3, 5, 5)))).shape
+    ...     x = s.input(jnp.ones((2, 3, 5, 5)))
+    ...     tfl.nn.AdaptiveAvgPool2d((1, 1))(x).shape
     (2, 3, 1, 1)
     """
 
@@ -477,7 +483,8 @@ class Upsample(Module):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.Upsample(scale_factor=2)(s.input(jnp.ones((1, 1, 2, 2)))).shape
+    ...     x = s.input(jnp.ones((1, 1, 2, 2)))
+    ...     tfl.nn.Upsample(scale_factor=2)(x).shape
     (1, 1, 4, 4)
     """
 

@@ -95,7 +95,9 @@ def param_labels(model: Module, rule: LabelRule) -> dict[str, Hashable]:
 
     >>> import jax, optax, tapeflow as tfl
     >>> model = tfl.nn.MLP([4, 8, 2], key=jax.random.key(0))
-    >>> labels = param_labels(model, lambda name, p: "matrix" if p.ndim >= 2 else "vector")
+    >>> def kind(name, p):
+    ...     return "matrix" if p.ndim >= 2 else "vector"
+    >>> labels = param_labels(model, kind)
     >>> labels  # doctest: +NORMALIZE_WHITESPACE
     {'layers.0.weight': 'matrix', 'layers.0.bias': 'vector',
      'layers.1.weight': 'matrix', 'layers.1.bias': 'vector'}
@@ -184,9 +186,11 @@ def decay_mask(
     >>> decay_mask(model)  # doctest: +NORMALIZE_WHITESPACE
     {'wte.weight': True, 'wpe.weight': False, 'fc.weight': True, 'fc.bias': False,
      'ln_f.weight': False, 'ln_f.bias': False}
-    >>> [k for k, v in decay_mask(model, embeddings=True).items() if v]  # nanoGPT's split
+    >>> mask = decay_mask(model, embeddings=True)  # nanoGPT's split
+    >>> [k for k, v in mask.items() if v]
     ['wte.weight', 'wpe.weight', 'fc.weight']
-    >>> [k for k, v in decay_mask(model, exclude="wte.*", include="fc.bias").items() if v]
+    >>> mask = decay_mask(model, exclude="wte.*", include="fc.bias")
+    >>> [k for k, v in mask.items() if v]
     ['fc.weight', 'fc.bias']
     """
     inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")

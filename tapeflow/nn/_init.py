@@ -23,7 +23,8 @@ anything else is handed to ``jax.random`` as it is.
 >>> ours = init.uniform(key, (3, 5), minval=-1.0)
 >>> bool(np.array_equal(ours, jax.random.uniform(key, (3, 5), minval=-1.0)))
 True
->>> bool(np.array_equal(init.normal(key, (7,)), jax.random.normal(key, (7,))))
+>>> theirs = jax.random.normal(key, (7,))
+>>> bool(np.array_equal(init.normal(key, (7,)), theirs))
 True
 >>> ours = jax.random.key_data(init.split(key, 3))
 >>> bool(np.array_equal(ours, jax.random.key_data(jax.random.split(key, 3))))
@@ -40,7 +41,8 @@ same initial values on every run; ``manual_seed`` resets the stream, as
 >>> init.manual_seed(3)
 >>> a = init.next_key()
 >>> init.manual_seed(3)
->>> bool((jax.random.key_data(init.next_key()) == jax.random.key_data(a)).all())
+>>> again = init.next_key()
+>>> bool((jax.random.key_data(again) == jax.random.key_data(a)).all())
 True
 """
 
@@ -126,7 +128,8 @@ def next_key() -> PRNGKey:
     >>> import jax, tapeflow as tfl
     >>> tfl.nn.init.manual_seed(5)
     >>> k = tfl.nn.init.next_key()
-    >>> bool((jax.random.key_data(k) == jax.random.key_data(jax.random.fold_in(jax.random.key(5), 0))).all())
+    >>> first = jax.random.fold_in(jax.random.key(5), 0)
+    >>> bool((jax.random.key_data(k) == jax.random.key_data(first)).all())
     True
     """
     with _stream_lock:

@@ -276,7 +276,7 @@ def state_dict(module: Module, layout: Framework = "torch") -> dict[str, np.ndar
     >>> sd = tfl.nn.state_dict(lm)
     >>> {k: v.shape for k, v in sd.items()}
     {'0.weight': (5, 3), '1.weight': (3, 3), '1.bias': (3,), '2.weight': (5, 3)}
-    >>> sd["0.weight"] is sd["2.weight"]  # one storage: one array under both names
+    >>> sd["0.weight"] is sd["2.weight"]  # one storage: one array, both names
     True
     >>> sd["1.weight"].shape  # Linear: (out, in) as PyTorch
     (3, 3)
@@ -295,7 +295,8 @@ def nnx_state(module: Module) -> PyTree:
     >>> import jax, tapeflow as tfl
     >>> mlp = tfl.nn.MLP([3, 4, 2], key=jax.random.key(0))
     >>> st = tfl.nn.nnx_state(mlp)
-    >>> sorted(st["layers"]), st["layers"][1]["kernel"].shape  # nnx.Linear's: (in, out)
+    >>> # nnx.Linear's kernel is (in, out)
+    >>> sorted(st["layers"]), st["layers"][1]["kernel"].shape
     ([0, 1], (4, 2))
     """
     nested: dict[int | str, PyTree] = {}  # list indices as ints, as nnx.state gives them
@@ -503,7 +504,8 @@ def load_state_dict(
     >>> import jax, numpy as np, tapeflow as tfl
     >>> lin = tfl.nn.Linear(3, 2, key=jax.random.key(0))
     >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)  # (out, in), as PyTorch
-    >>> tfl.nn.load_state_dict(lin, {"weight": w, "bias": np.zeros(2, np.float32)})
+    >>> sd = {"weight": w, "bias": np.zeros(2, np.float32)}
+    >>> tfl.nn.load_state_dict(lin, sd)
     IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     >>> lin.weight.value.tolist()
     [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
@@ -585,7 +587,8 @@ def load_nnx_state(module: Module, state: Mapping[Any, object], strict: bool = T
 
     >>> import jax, jax.numpy as jnp, tapeflow as tfl
     >>> ln = tfl.nn.LayerNorm(3)
-    >>> tfl.nn.load_nnx_state(ln, {"scale": jnp.full(3, 2.0), "bias": jnp.ones(3)})
+    >>> state = {"scale": jnp.full(3, 2.0), "bias": jnp.ones(3)}
+    >>> tfl.nn.load_nnx_state(ln, state)
     IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     >>> ln.weight.value.tolist()
     [2.0, 2.0, 2.0]

@@ -95,7 +95,8 @@ class NLLLoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.NLLLoss()(s.input(jnp.array([[-1.0, -2.0]])), jnp.array([1])).item()
+    ...     x = s.input(jnp.array([[-1.0, -2.0]]))
+    ...     tfl.nn.NLLLoss()(x, jnp.array([1])).item()
     2.0
     """
 
@@ -121,7 +122,8 @@ class MSELoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.MSELoss()(s.input(jnp.array([1.0, 3.0])), jnp.array([0.0, 0.0])).item()
+    ...     x = s.input(jnp.array([1.0, 3.0]))
+    ...     tfl.nn.MSELoss()(x, jnp.array([0.0, 0.0])).item()
     5.0
     """
 
@@ -135,7 +137,8 @@ class L1Loss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     tfl.nn.L1Loss()(s.input(jnp.array([1.0, -3.0])), jnp.array([0.0, 0.0])).item()
+    ...     x = s.input(jnp.array([1.0, -3.0]))
+    ...     tfl.nn.L1Loss()(x, jnp.array([0.0, 0.0])).item()
     2.0
     """
 
@@ -189,7 +192,8 @@ class BCELoss(_Loss):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> with tfl.Session() as s:
-    ...     round(tfl.nn.BCELoss()(s.input(jnp.array([0.5])), jnp.array([1.0])).item(), 4)
+    ...     x = s.input(jnp.array([0.5]))
+    ...     round(tfl.nn.BCELoss()(x, jnp.array([1.0])).item(), 4)
     0.6931
     """
 

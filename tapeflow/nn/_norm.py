@@ -179,7 +179,8 @@ class BatchNorm1d(_BatchNorm):
     ...     y = bn(s.input(jnp.array([[1.0, 10.0], [3.0, 30.0]])))
     ...     [round(v, 3) for v in y.value[:, 0].tolist()]
     [-1.0, 1.0]
-    >>> [[round(v, 4) for v in p.value.tolist()] for p in (bn.running_mean, bn.running_var)]
+    >>> stats = (bn.running_mean, bn.running_var)
+    >>> [[round(v, 4) for v in p.value.tolist()] for p in stats]
     [[0.2, 2.0], [1.1, 20.9]]
     >>> int(bn.num_batches_tracked.value)
     1
@@ -194,7 +195,7 @@ class BatchNorm2d(_BatchNorm):
     """Batch normalization over ``(N, C, H, W)`` input, as ``torch.nn.BatchNorm2d`` (see :class:`BatchNorm1d`).
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> bn = tfl.nn.BatchNorm2d(3).eval()  # eval mode: the running statistics (0 and 1)
+    >>> bn = tfl.nn.BatchNorm2d(3).eval()  # eval: the running statistics (0, 1)
     >>> with tfl.Session(grad_enabled=False) as s:
     ...     y = bn(s.input(jnp.full((2, 3, 4, 4), 2.0)))
     ...     y.shape, round(float(y.value.max()), 4)

@@ -151,8 +151,12 @@ class GRUCell(_Cell):
 
     >>> import jax.numpy as jnp, tapeflow as tfl
     >>> cell = tfl.nn.GRUCell(3, 4)
-    >>> [(n, p.shape) for n, p in cell.named_parameters()]
-    [('weight_ih', (12, 3)), ('weight_hh', (12, 4)), ('bias_ih', (12,)), ('bias_hh', (12,))]
+    >>> for n, p in cell.named_parameters():
+    ...     print(n, p.shape)
+    weight_ih (12, 3)
+    weight_hh (12, 4)
+    bias_ih (12,)
+    bias_hh (12,)
     >>> with tfl.Session() as s:
     ...     h = None
     ...     for x in s.input(jnp.ones((5, 2, 3))):  # 5 steps of a batch of 2

@@ -39,7 +39,8 @@ def clone_module(module: Module) -> Module:
     >>> import tapeflow as tfl
     >>> a = tfl.nn.Linear(2, 2)
     >>> b = clone_module(a)
-    >>> b.weight.storage is a.weight.storage, bool((b.weight.value == a.weight.value).all())
+    >>> same_values = bool((b.weight.value == a.weight.value).all())
+    >>> b.weight.storage is a.weight.storage, same_values
     (False, True)
     """
     memo: dict[int, object] = {}
@@ -258,7 +259,9 @@ class TransformerEncoderLayer(Module):
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)``.
 
     >>> import jax.numpy as jnp, tapeflow as tfl
-    >>> layer = tfl.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    >>> layer = tfl.nn.TransformerEncoderLayer(
+    ...     8, 2, dim_feedforward=16, batch_first=True
+    ... )
     >>> with tfl.Session() as s:
     ...     layer(s.input(jnp.ones((2, 5, 8)))).shape
     (2, 5, 8)
