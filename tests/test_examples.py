@@ -90,7 +90,7 @@ def test_every_example_states_its_run_time_and_command(name: str) -> None:
 # --------------------------------------------------------------------------- demo
 
 
-def test_demo_trains_saves_and_restores(tmp_path: Path) -> None:
+def test_demo_trains_saves_and_restores(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sklearn")
     pytest.importorskip("tqdm")
     demo = _load("demo")
@@ -98,6 +98,7 @@ def test_demo_trains_saves_and_restores(tmp_path: Path) -> None:
     # Run the demo as a user would: JAX's default config (conftest turns x64 on for the suite).
     with jax.enable_x64(False):
         _demo_round_trip(demo, ckpt)
+    _check_gallery_card("demo.py", capsys.readouterr().out)  # its data, its accuracy
 
 
 def test_demo_trains_lazily_in_bfloat16_to_the_same_bar(tmp_path: Path) -> None:
@@ -179,10 +180,12 @@ def test_demo_plot_without_matplotlib_says_how_to_install(monkeypatch: pytest.Mo
 # --------------------------------------------------------------------------- char LM
 
 
-def test_char_lm_loss_decreases_and_output_is_tied() -> None:
+def test_char_lm_loss_decreases_and_output_is_tied(capsys: pytest.CaptureFixture[str]) -> None:
     char_lm = _load("char_lm")
-    with within_stated_time("char_lm.py"):
-        out = char_lm.main(["--steps", "150", "--chars", "40", "--seed", "0"])
+    # its default run, as a user runs it (JAX's default config): the gallery shows what it prints
+    with jax.enable_x64(False), within_stated_time("char_lm.py"):
+        out = char_lm.main([])
+    _check_gallery_card("char_lm.py", capsys.readouterr().out)  # its corpus, its losses
     assert np.isfinite(out["initial_loss"]) and np.isfinite(out["final_loss"])
     # from ~ln(vocab) to clearly below the unigram entropy of the text
     assert out["initial_loss"] > 4.0
@@ -207,10 +210,25 @@ def test_script_runs(script: str) -> None:
             timeout=300,
         )
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    _check_gallery_card(script, proc.stdout)
     if script == "nanogpt.py":
         _check_nanogpt_output(proc.stdout)
     if script == "port_pytorch.py":
         _check_port_output(proc.stdout)
+
+
+def _check_gallery_card(name: str, printed: str) -> None:
+    """docs/gallery.md's card of ``examples/<name>`` shows lines this run printed (times in them aside).
+
+    These examples run whole here, as a user runs them, so their cards are checked on every suite run;
+    ``.ci/run`` checks the others (``docs/_ext/gallery.py --check``; tests/test_gallery.py sees that
+    every card is one or the other's).
+    """
+    from test_gallery import gallery
+
+    g = gallery()
+    differs = g.card_differs(g.PAGE.read_text(), name, printed)
+    assert differs is None, f"{differs}\nrun python docs/_ext/gallery.py to show what the examples print now"
 
 
 def _check_port_output(out: str) -> None:
