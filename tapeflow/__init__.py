@@ -41,6 +41,7 @@ from ._shell._grads import Grads, ParameterGroup, clip_grad_norm
 from ._shell._params import Param, Storage, canonical_indices, tie
 from ._shell._remat import checkpoint
 from ._shell._session import RationalFallbackWarning, Session, TapeGrowthWarning
+from ._shell._shard import placement_dot, shard
 from ._shell._tensor import RemovableHandle, Tensor, apply, current_session, last_recorded_session
 from ._shell._torch_functional import (
     avg_pool2d,
@@ -276,6 +277,7 @@ __all__ = [
     "outer",
     "param_values",
     "permute",
+    "placement_dot",
     "pow",
     "prod",
     "reciprocal",
@@ -294,6 +296,7 @@ __all__ = [
     "set_kernel_cache_size",
     "set_recompile_warning",
     "set_tiered_compilation",
+    "shard",
     "sigmoid",
     "sign",
     "sin",

@@ -137,7 +137,9 @@ def commit(
     replaces goes into that cell without placement. Every other value on
     another device than its host cell (a program over several devices hands
     back values placed by XLA) becomes the device mirror
-    (:meth:`Storage.write` with ``on_device=True``).
+    (:meth:`Storage.write` with ``on_device=True``). A storage placed by
+    :func:`tfl.shard <tapeflow.shard>` (:attr:`Storage.pinned`) gets each new
+    value on its sharding, wherever the value was computed.
 
     ``traced=True``: the values of ``replacing`` are outputs of one compiled
     program whose trace checked each against its storage (shape, dtype, never
@@ -179,6 +181,9 @@ def commit(
             got = cast(Array, v)  # the common case: a concrete array of the storage's spec
         else:
             got = check_write(st, v, where, None if label is None else label(k))  # raises, or the checked value
+        pin = st.pinned
+        if pin is not None and isinstance(got, jax.Array) and got.sharding != pin:
+            got = jax.device_put(got, pin)  # a placed storage keeps its placement, whatever computed the value
         if k < n_old and device_of(got) == device_of(olds[k]):
             fast_cells.append(st)
             fast_values.append(cast(Array, got))

@@ -78,11 +78,15 @@ class Storage:
         "_host_current",
         "_mirror",
         "_on",
+        "_pinned",
         "dtype",
         "hooks",
         "shape",
         "uid",
     )
+
+    pin_epoch: int = 0
+    """Changes whenever any storage is pinned: an optimizer or a step that placed its state by the pins compares it."""
 
     def __init__(self, value: ArrayLike) -> None:
         v = stored(value)
@@ -94,6 +98,7 @@ class Storage:
         self._host_current = True
         self._current: Array = v
         self._on: jax.Device | _Several | None = None  # the one device _current lives on (None: not found yet)
+        self._pinned: jax.sharding.Sharding | None = None  # where tfl.shard placed it: every write lands there
         self.hooks: list[Callable[[Array], Array | None]] = []  # Param.register_hook: once per backward, summed
         with _storage_lock:
             self.uid = next(_storage_ids)
@@ -106,6 +111,7 @@ class Storage:
         original's ``#0``), since in tapeflow a shared label means a tie.
         """
         new = Storage(self._current)
+        new._pinned = self._pinned
         memo[id(self)] = new
         new.hooks = copy.deepcopy(self.hooks, memo)
         return new
@@ -113,6 +119,7 @@ class Storage:
     def __copy__(self) -> Storage:
         """A new storage holding the same value (a storage is a cell: a copy is another cell, with its own ``uid``)."""
         new = Storage(self._current)
+        new._pinned = self._pinned
         new.hooks = list(self.hooks)
         return new
 
@@ -125,6 +132,39 @@ class Storage:
     def mirror(self) -> Array | None:
         """The device mirror (a ``jax.Array``) or None when no device copy is cached."""
         return self._mirror
+
+    @property
+    def pinned(self) -> jax.sharding.Sharding | None:
+        """The sharding :func:`tfl.shard <tapeflow.shard>` placed this storage with (None: not placed).
+
+        Every later write of a pinned storage lands on this sharding
+        (:func:`~tapeflow._shell._commit.commit` puts a value computed elsewhere there).
+        """
+        return self._pinned
+
+    def pin(self, sharding: jax.sharding.Sharding | None, value: Array) -> None:
+        """Make ``value`` (already placed with ``sharding``) the current value, and keep ``sharding`` for every write.
+
+        Unchecked: ``value`` has the storage's shape and dtype and lives on
+        ``sharding`` (:func:`tfl.shard <tapeflow.shard>` checks and places it
+        first, and calls this from :func:`~tapeflow._shell._commit.commit`'s
+        ``then``). The value becomes the host cell, so the storage lives only as
+        its shards. ``sharding=None`` unpins.
+
+        >>> import jax, jax.numpy as jnp, tapeflow as tfl
+        >>> st = tfl.Storage(jnp.zeros(2))
+        >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        >>> st.pin(one, jax.device_put(jnp.ones(2), one))
+        >>> st.pinned == one, st.read_current().tolist(), tfl.Storage.pin_epoch > 0
+        (True, [1.0, 1.0], True)
+        """
+        self._pinned = sharding
+        self._host = value
+        self._mirror = None
+        self._host_current = True
+        self._current = value
+        self._on = None
+        Storage.pin_epoch += 1
 
     @staticmethod
     def read_current_many(storages: Iterable[Storage]) -> list[Array]:
@@ -154,16 +194,18 @@ class Storage:
         for s in storages:  # _where inlined: a compiled step's write-back makes no Python call per storage
             on = s._on
             if on is None:
-                on = s._on = device_of(s._current) or _SEVERAL
+                on = s._on = (device_of(s._current) if s._pinned is None else None) or _SEVERAL
             if on is not device:
                 return False
         return True
 
     def _where(self) -> jax.Device | _Several:
-        """The one device the current value lives on (found once per cell change), or ``_SEVERAL``."""
+        """The one device the current value lives on (found once per cell change), or ``_SEVERAL`` (pinned too)."""
         on = self._on
         if on is None:
-            on = self._on = device_of(self._current) or _SEVERAL
+            # a pinned storage counts as several devices even on a 1-device mesh: its writes go through the
+            # checks that keep its sharding
+            on = self._on = (device_of(self._current) if self._pinned is None else None) or _SEVERAL
         return on
 
     @staticmethod
@@ -209,7 +251,9 @@ class Storage:
         """The current value on the host, synchronizing a newer device mirror first."""
         if not self._host_current:
             host_dev = device_of(self._host)
-            self._host = self._mirror if host_dev is None else jax.device_put(self._mirror, host_dev)
+            m = self._mirror
+            # a mirror over several devices becomes the host cell as it is: a sharded value is never gathered
+            self._host = m if host_dev is None or device_of(m) is None else jax.device_put(m, host_dev)
             self._host_current = True
             self._current = self._host
             self._on = None
@@ -226,12 +270,11 @@ class Storage:
         on = self._where()
         if on is device:
             return self._current  # the common case: the current value lives on the device asked for
+        if on is _SEVERAL:
+            # sharded over several devices (or a tracer, or rationals on the host): used as it is, never
+            # gathered onto one device
+            return self._current
         m = self._mirror
-        if not self._host_current and on is _SEVERAL:
-            return m  # a current mirror over several devices (or a tracer) is used as it is
-        h = self._host
-        if self.dtype == R.OBJECT or isinstance(h, jax.core.Tracer):
-            return h if self._host_current else self.read_host()
         if m is not None and device_of(m) == device:
             return m
         m = jax.device_put(self.read_host(), device)
@@ -252,8 +295,10 @@ class Storage:
                 f"storage of {R.fmt_spec((self.shape, self.dtype))}; a parameter keeps its shape and dtype "
                 "(create a new Param to change them)"
             )
-        # choose the cell, then replace it
-        self._host_current = not (on_device and device_of(v) != device_of(self._host))
+        # choose the cell, then replace it; a value over several devices is the host cell (it lives only as its shards)
+        on = device_of(v)
+        several = on is None and isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
+        self._host_current = several or not (on_device and on != device_of(self._host))
         self.write_current(v)
 
     def __repr__(self) -> str:
@@ -340,6 +385,22 @@ class Param(TensorOps):
                 "(or let tfl.train_step / Optimizer.step write the storage)"
             )
         commit([(self.storage, new)], where="Param.value", label=lambda _: repr(self))
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding | None:
+        """The ``jax.sharding.Sharding`` of the storage's current value (None for a tracer or exact rationals).
+
+        :func:`tfl.shard <tapeflow.shard>` sets it; every training path keeps it.
+
+        >>> import jax, jax.numpy as jnp, tapeflow as tfl
+        >>> w = tfl.Param(jnp.ones((4, 2)), name="w")
+        >>> w.sharding.device_set == {jax.devices()[0]}
+        True
+        """
+        v = self._bound if self._bound is not None else self.storage.read_current()
+        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer):
+            return v.sharding
+        return None
 
     @property
     def shape(self) -> tuple[int, ...]:

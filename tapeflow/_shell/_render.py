@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
+import jax
+
 from .._core._result import TapeError
 from .._core._treescope import (
     Drawn,
@@ -43,12 +45,14 @@ __all__ = [
     "ParameterHolder",
     "leaf_names",
     "module_ties",
+    "placement_dot",
     "render_module",
     "render_param",
     "render_session",
     "render_storage",
     "render_tensor",
     "session_dot",
+    "spec_text",
     "storage_color",
     "storage_labels",
 ]
@@ -133,6 +137,106 @@ def module_ties(module: ParameterHolder) -> list[tuple[int, list[str]]]:
     for name, p in module.parameter_records():
         groups.setdefault(id(p.storage), (p.storage.uid, []))[1].append(name)
     return [g for g in groups.values() if len(g[1]) > 1]
+
+
+_PLACEMENT_COLORS = ("#dbe4ff", "#d3f9d8", "#fff3bf", "#ffe3e3", "#e5dbff", "#c5f6fa", "#ffe8cc", "#f3d9fa")
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def placement_dot(records: Iterable[tuple[str, Param]]) -> str:
+    """Graphviz DOT text: a table of where each storage of ``records`` lives, one column per device.
+
+    ``records`` are ``(name, Param)`` pairs; tied names share a row (named
+    ``a = b``). In a storage's row, the cell under a device is the number of
+    the slice that device holds (slices numbered along the cut dimensions, in
+    order); a storage kept whole spans its devices with one cell. The last
+    columns are the shape of one slice and its bytes, the last row the most
+    bytes one device holds against one copy of everything. Read through public
+    members only (``p.storage``, ``p.sharding``).
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones((4, 2)), name="w")
+    >>> "w = w_out" in placement_dot([("w", w), ("w_out", tfl.tie(w))])
+    True
+    """
+    import html
+
+    import numpy as np
+
+    rows: dict[int, tuple[list[str], Param]] = {}
+    for name, p in records:
+        rows.setdefault(id(p.storage), ([], p))[0].append(name)
+    devices: list[jax.Device] = []
+    table = []
+    for names, p in rows.values():
+        sh = p.sharding
+        shape = tuple(p.shape)
+        cells: dict[jax.Device, tuple[tuple[int, ...], ...]] = {}
+        if sh is not None:
+            mesh = getattr(sh, "mesh", None)
+            order = list(mesh.devices.flat) if mesh is not None else [d for d in jax.devices() if d in sh.device_set]
+            devices += [d for d in order if d not in devices]
+            for d, index in sh.devices_indices_map(shape).items():
+                cells[d] = tuple(tuple(sl.indices(n)[:2]) for sl, n in zip(index, shape))
+        spec = getattr(sh, "spec", None)
+        table.append((" = ".join(names), shape, "one device" if spec is None else spec_text(spec), cells, p.dtype))
+    per_device = dict.fromkeys(devices, 0)
+    lines = [
+        "digraph placement {",
+        '  node [shape=plaintext, fontname="monospace", fontsize=14];',
+        '  placement [label=<<table border="0" cellborder="1" cellspacing="0" cellpadding="3">',
+    ]
+    every = jax.devices()
+    head = ["storage", "shape", "spec", *(str(every.index(d)) for d in devices), "slice", "bytes"]  # device ids
+    lines.append("    <tr>" + "".join(f"<td><b>{html.escape(h)}</b></td>" for h in head) + "</tr>")
+    total = 0
+    for k, (name, shape, spec_txt, cells, dtype) in enumerate(table):
+        itemsize = np.dtype(dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * itemsize
+        slices = sorted(set(cells.values()))
+        number = {sl: i for i, sl in enumerate(slices)}
+        one = slices[0] if slices else tuple((0, n) for n in shape)
+        piece = tuple(b - a for a, b in one)
+        nbytes = int(np.prod(piece, dtype=np.int64)) * itemsize
+        row = [f'<td align="left">{html.escape(t, quote=False)}</td>' for t in (name, str(shape), spec_txt)]
+        if len(slices) == 1 and len(cells) == len(devices):
+            row.append(f'<td bgcolor="#f1f3f5" colspan="{len(devices)}">whole on every device</td>')
+        else:
+            color = _PLACEMENT_COLORS[k % len(_PLACEMENT_COLORS)]
+            for d in devices:
+                sl = cells.get(d)
+                row.append("<td></td>" if sl is None else f'<td bgcolor="{color}">{number[sl]}</td>')
+        for d in cells:
+            per_device[d] += nbytes
+        row += [f'<td align="left">{piece}</td>', f'<td align="right">{_bytes_text(nbytes)}</td>']
+        lines.append("    <tr>" + "".join(row) + "</tr>")
+    most = max(per_device.values(), default=0)
+    share = f" ({most / total:.3f} of it)" if total else ""
+    lines.append(
+        f'    <tr><td align="left" colspan="{len(head)}">most on one device: {_bytes_text(most)}; '
+        f"one copy of everything: {_bytes_text(total)}{share}</td></tr>"
+    )
+    lines += ["  </table>>];", "}"]
+    return "\n".join(lines)
+
+
+def spec_text(spec: Iterable[object]) -> str:
+    """A ``PartitionSpec`` without trailing Nones, as written in code: ``P('data')``, ``P(None, 'model')``, ``P()``.
+
+    >>> from jax.sharding import PartitionSpec
+    >>> spec_text(PartitionSpec("data", None)), spec_text(PartitionSpec())
+    ("P('data')", 'P()')
+    """
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return f"P({', '.join(repr(p) for p in parts)})"
 
 
 def storage_color(ts: ModuleType, uid: int) -> str:
