@@ -44,6 +44,7 @@ from .._shell._grads import global_norm_of
 from .._shell._params import Param, Storage, canonical_indices
 from .._shell._random import RNG_SEED_RANGE
 from .._shell._session import Session, traced_session
+from .._shell._shard import replicated_on
 from .._shell._state import ModeOwner, mode_reads
 from .._shell._tensor import Tensor
 from .._shell._values import foreign_array
@@ -233,6 +234,13 @@ def value_and_grad(
                 "every state cell in params (a module's param_dict() lists its running statistics)"
             )
         gl, _ = _storage_grads(s, loss, storages)
+        # a storage placed by tfl.shard gets its gradient on its own sharding (FSDP: reduce-scattered, not gathered)
+        gl = [
+            jax.lax.with_sharding_constraint(g, st.pinned)
+            if st.pinned is not None and isinstance(g, jax.core.Tracer)
+            else g
+            for st, g in zip(storages, gl)
+        ]
         value = s.node(loss).value
         if debug:
             _check_call(storages, [p.value for p in leaves], s.index_guard(value), gl, rng, args, kwargs)
@@ -426,6 +434,7 @@ class TrainStep:
         # per-parameter shardings for a mesh, cached per tuple of slot storages
         self._shardings_for: tuple[Storage, ...] | None = None
         self._shardings: list[NamedSharding] = []
+        self._shardings_epoch = -1  # Storage.pin_epoch they were made at (tfl.shard moves pinned storages)
         # the step counter on the device (the program derives the RNG key from it and returns it + 1)
         self._counter: Array | None = None
         self._counter_step = -1
@@ -559,6 +568,12 @@ class TrainStep:
         self._state_cells.update((st.uid, st) for st in writes)
         state_out = {st.uid: v for st, v in writes.items()}
         out = _step.step(opt.rule, parts, values, state, check_finite, loss_checked, keep_on_refusal=self.donate)
+        if any(st.pinned is not None for st in storages):  # storages placed by tfl.shard: results land there too
+            pinned = [
+                v if st.pinned is None else jax.lax.with_sharding_constraint(v, st.pinned)
+                for st, v in zip(storages, out.values)
+            ]
+            out = StepOutcome(pinned, opt.placed_state(out.state, jax.lax.with_sharding_constraint), out.finite)
         next_counter = counter + 1
         if out.finite is not None and self.donate:  # a refused step hands back the counter it was given
             next_counter = jnp.where(jnp.all(out.finite), next_counter, counter)
@@ -630,13 +645,13 @@ class TrainStep:
         return parts, dict(zip(cells, cell_values)), lsum / n, None if csum is None else csum / n, aux
 
     # -- sharding --------------------------------------------------------------
-    def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec:
+    def _spec_for(self, st: Storage, slot_key: SlotKey) -> PartitionSpec | None:
         for key, spec in self._param_specs.items():
             if (isinstance(key, Param) and key.storage is st) or key is st:
                 return spec
             if isinstance(key, str) and slot_key == key:
                 return spec
-        return PartitionSpec()
+        return None if st.pinned is not None else PartitionSpec()  # None: where tfl.shard placed it
 
     def _mesh(self) -> Mesh:
         if self.mesh is None:
@@ -644,9 +659,14 @@ class TrainStep:
         return self.mesh
 
     def _param_shardings(self, storages: tuple[Storage, ...]) -> list[NamedSharding]:
-        if self._shardings_for is not storages:
+        if self._shardings_for is not storages or self._shardings_epoch != Storage.pin_epoch:
+            self._shardings_epoch = Storage.pin_epoch
             keys = self.optimizer.slot_keys
-            self._shardings = [NamedSharding(self._mesh(), self._spec_for(st, key)) for st, key in zip(storages, keys)]
+            specs = [self._spec_for(st, key) for st, key in zip(storages, keys)]
+            self._shardings = [
+                cast(NamedSharding, st.pinned) if spec is None else NamedSharding(self._mesh(), spec)
+                for st, spec in zip(storages, specs)
+            ]
             self._shardings_for = storages
         return self._shardings
 
@@ -688,7 +708,7 @@ class TrainStep:
         if self.mesh is not None:
             return jax.device_put(c, NamedSharding(self.mesh, PartitionSpec()))
         committed = [v for v in values if isinstance(v, jax.Array) and getattr(v, "committed", False)]
-        return jax.device_put(c, committed[0].sharding) if committed else jnp.asarray(c)
+        return jax.device_put(c, replicated_on(committed[0].sharding)) if committed else jnp.asarray(c)
 
     def _read_extra(self, extra: tuple[Storage, ...]) -> list[Array]:
         """Current values of the Params read but not owned by the optimizer (replicated over a mesh)."""
@@ -736,6 +756,8 @@ class TrainStep:
             if any(d is not x for d, x in zip(data, leaves)):  # PyTorch tensors (a DataLoader's batch), ...
                 args, kwargs = jax.tree_util.tree_unflatten(treedef, data)  # as NumPy data, as a session takes them
         storages = opt.check_layout()  # the slot storages; raises if the alias layout changed
+        if opt.placement_epoch != Storage.pin_epoch:  # a storage moved (tfl.shard): its state goes along
+            opt.follow_placement()
         values = Storage.read_current_many(storages)  # no placement, no host sync
         state = opt.state
         if self.mesh is not None:

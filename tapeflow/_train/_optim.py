@@ -42,6 +42,7 @@ from .._shell._commit import commit, traced_write
 from .._shell._grads import Grads, ParameterGroup, sum_in_leaf_order
 from .._shell._lazy import LazyGrads
 from .._shell._params import Param, Storage, canonical_indices
+from .._shell._shard import replicated_on
 from .._shell._state import StateLog, state_log_of
 from . import _step
 from ._slots import ParamCollection, SlotKey, non_trainable_of, records_of, slot_index_tree
@@ -419,7 +420,79 @@ class Optimizer:
             self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
         self._fused_plan: _FusedPlan | None = None  # the last fused step's slot mapping (valid for its groups)
-        self.state: OptState = _init_state(self.rule, self.param_tree())
+        params = self.param_tree()
+        if any(st.pinned is not None for st in self._slot_storages):
+            # born where its storages live: a state that does not fit one device is never whole on one
+            shardings = self.placed_state(jax.eval_shape(self.tx.init, params), put=lambda _, sharding: sharding)
+            self.state: OptState = jax.jit(self.tx.init, out_shardings=shardings)(params)
+        else:
+            self.state = _init_state(self.rule, params)
+        # the pins the state follows: a step whose Storage.pin_epoch differs calls follow_placement first
+        self.placement_epoch = Storage.pin_epoch
+
+    def placed_state(
+        self,
+        state: OptState | None = None,
+        put: Callable[[Array, jax.sharding.Sharding], Array] = jax.device_put,
+    ) -> OptState:
+        """``state`` (default :attr:`state`) with each part put where its storage lives: ``put(part, sharding)``.
+
+        Only when some storage was placed by :func:`tfl.shard <tapeflow.shard>`
+        (:attr:`Storage.pinned`): a per-parameter part of a pinned storage's
+        shape (Adam's moments, a momentum trace) takes that storage's sharding;
+        every other part (step counts, hyperparameters, parts of storages that
+        were not placed) is replicated over the same devices. Without pinned
+        storages ``state`` is returned as it is. ``put`` is ``jax.device_put``
+        outside a program, ``jax.lax.with_sharding_constraint`` inside one.
+
+        >>> import jax, jax.numpy as jnp, numpy as np, optax, tapeflow as tfl
+        >>> w = tfl.Param(jnp.ones((4, 2)), name="w")
+        >>> tfl.shard([w], jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+        >>> opt = tfl.Optimizer(optax.adam(0.1), [w])
+        >>> opt.placed_state()[0].mu[0].sharding == w.sharding   # its storage's
+        True
+        """
+        if state is None:
+            state = self.state
+        storages = self._slot_storages
+        pins = [st.pinned for st in storages]
+        first = next((p for p in pins if p is not None), None)
+        if first is None:
+            return state
+        whole = replicated_on(first)
+
+        def place_part(k: int, part: PyTree) -> PyTree:
+            def one(x: PyTree) -> PyTree:
+                if not hasattr(x, "shape"):
+                    return x
+                pin = pins[k] if k >= 0 and tuple(x.shape) == storages[k].shape else None
+                target = whole if pin is None else pin
+                if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.sharding == target:
+                    return x
+                return put(x, target)
+
+            return jax.tree_util.tree_map(one, part)
+
+        return jax.tree_util.tree_map(place_part, self.slot_indices(state), state)
+
+    def follow_placement(self) -> None:
+        """Put the state where its storages live (:meth:`placed_state`) if a storage was placed since it last did.
+
+        Every step calls it first when :attr:`Storage.pin_epoch` is not
+        :attr:`placement_epoch` (the pins the state was placed by), so an
+        optimizer built before :func:`tfl.shard <tapeflow.shard>` follows the placement.
+
+        >>> import jax.numpy as jnp, optax, tapeflow as tfl
+        >>> opt = tfl.Optimizer(optax.adam(0.1), [tfl.Param(jnp.ones(2))])
+        >>> opt.follow_placement()  # nothing was placed: nothing to do
+        """
+        epoch = Storage.pin_epoch
+        if self.placement_epoch == epoch:
+            return
+        new = self.placed_state()
+        if new is not self.state:
+            commit(where="Optimizer.follow_placement", then=[partial(setattr, self, "state", new)])
+        self.placement_epoch = epoch
 
     def _tree(self, values: Sequence[object]) -> PyTree:
         if self._names is not None:
@@ -725,6 +798,8 @@ class Optimizer:
 
     def _run(self, grads: GradsLike, check_finite: bool | None, log: StateLog | None) -> None:
         storages = self.check_layout()
+        if self.placement_epoch != Storage.pin_epoch:
+            self.follow_placement()
         check = self.check_finite if check_finite is None else check_finite
         then = () if log is None else (log.commit,)
         nf = grads.check if isinstance(grads, Grads) else None
