@@ -29,6 +29,7 @@ state and RNG counter untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -44,7 +45,9 @@ from typing import (
 )
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from .._core import _registry as R
 from .._core._device import default_device, device_of
@@ -141,8 +144,63 @@ def _layout(regs: list[Param]) -> tuple[int, ...]:
     return tuple(cast("list[int]", canonical_indices([p.storage for p in regs])))
 
 
+_SUM = "sum32:"  # the digest of an array over several devices: a checksum computed where its shards live
+
+
+def _words(x: Array) -> Array:
+    """The bits of ``x`` as uint32 words (one per element; two per element of an 8-byte dtype, on a new last axis)."""
+    size = np.dtype(x.dtype).itemsize
+    if x.dtype == np.bool_:
+        return x.astype(jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    as_uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, as_uint).astype(jnp.uint32)
+
+
+def _checksum(x: Array) -> Array:
+    """Two position-weighted sums of ``x``'s bits, modulo 2**32 (integer sums: the same on any sharding)."""
+    w = _words(x)
+    index = jnp.zeros(w.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(w.ndim)):  # each element's flat position, without reshaping the shards
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= w.shape[d]
+    odd = index * jnp.uint32(2) + jnp.uint32(1)
+    mixed = (w ^ (w >> jnp.uint32(15))) * jnp.uint32(2654435761)
+    return jnp.stack([jnp.sum(w * odd, dtype=jnp.uint32), jnp.sum(mixed + index, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums(xs: list[Array]) -> list[Array]:
+    """:func:`_checksum` of every sharded array of a checkpoint, as one program."""
+    return [_checksum(x) for x in xs]
+
+
+def _digests(arrays: list[ArrayLike], like: list[str] | None = None) -> list[str]:
+    """The digest saved with each array: SHA-256 of its bytes, or for an array over several devices a checksum
+    computed where its shards live (nothing is gathered). ``like``: the saved digests, whose kinds are computed."""
+    summed = [
+        k
+        for k, a in enumerate(arrays)
+        if (like[k].startswith(_SUM) if like is not None else isinstance(a, jax.Array) and device_of(a) is None)
+    ]
+    out = [""] * len(arrays)
+    if summed:
+        for k, pair in zip(summed, jax.device_get(_checksums([arrays[k] for k in summed]))):
+            out[k] = f"{_SUM}{int(pair[0]):08x}{int(pair[1]):08x}"
+    for k, a in enumerate(arrays):
+        if out[k]:
+            continue
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:  # a SHA-256 digest restored over processes
+            a = multihost_utils.process_allgather(a, tiled=True)
+        out[k] = hashlib.sha256(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()
+    return out
+
+
 def _digest(a: ArrayLike) -> str:
-    return hashlib.sha256(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()
+    """The SHA-256 digest of one array, wherever it lives (see :func:`_digests`)."""
+    return _digests([a], like=[""])[0]
 
 
 def _reg_label(i: int, names: list[str | None]) -> str:
@@ -257,7 +315,10 @@ def save(
     """
     path = os.path.abspath(os.fspath(path))
     names, regs, keyed = _registrations(params_or_module)
-    recover(path)
+    many, lead = jax.process_count() > 1, jax.process_index() == 0
+    if lead:  # with several processes, one of them moves directories; the others wait for it
+        recover(path)
+    _sync(many, "tapeflow.save.recovered")
     if os.path.lexists(path):
         if not overwrite:
             raise CheckpointError(f"checkpoint path {path} already exists; pass overwrite=True to replace it")
@@ -274,9 +335,9 @@ def save(
         if layout[i] != i:
             continue
         key = f"param_{len(storages)}"
-        v = p.storage.read_host()
+        v = p.storage.read_host()  # a sharded value as it is: each process writes the shards it holds
         arrays[PARAMS][key] = v
-        storages.append(StorageEntry(key, i, _digest(v)))
+        storages.append(StorageEntry(key, i, ""))
 
     opt_meta = None
     if optimizer is not None:
@@ -289,9 +350,15 @@ def save(
             _check_not_rational(a.dtype, f"optimizer state leaf {j}")
             key = f"opt_{j}"
             arrays[OPT][key] = a
-            leaf_meta.append(LeafEntry(key, kp, tuple(np.shape(a)), np.dtype(a.dtype), _digest(a)))
+            leaf_meta.append(LeafEntry(key, kp, tuple(np.shape(a)), np.dtype(a.dtype), ""))
         opt_layout = tuple(cast("list[int]", optimizer.alias_layout))
         opt_meta = OptimizerEntry(str(treedef), tuple(leaf_meta), opt_layout, tuple(slot_regs))
+    # every digest at once (the arrays over several devices are checked where they live, in one program)
+    digests = iter(_digests([*arrays[PARAMS].values(), *arrays[OPT].values()]))
+    storages = [dataclasses.replace(e, digest=next(digests)) for e in storages]
+    if opt_meta is not None:
+        leaves_meta = tuple(dataclasses.replace(e, digest=next(digests)) for e in opt_meta.leaves)
+        opt_meta = dataclasses.replace(opt_meta, leaves=leaves_meta)
     _check_rng_owner(session, "save")
     sess_meta = None if session is None else SessionEntry(int(session.seed), int(session.rng_counter))
     meta = CheckpointMeta(
@@ -310,27 +377,60 @@ def save(
         if tree:
             items[item] = ocp.args.StandardSave(tree)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    for leftover, *_ in siblings(path):  # staging directories of killed saves
-        shutil.rmtree(leftover, ignore_errors=True)
-    sid = uuid.uuid4().hex[:12]
+    if lead:
+        for leftover, *_ in siblings(path):  # staging directories of killed saves
+            shutil.rmtree(leftover, ignore_errors=True)
+    sid = _shared_id(many)
     tmp, old = sibling(path, "tmp", sid), sibling(path, "old", sid)
+    _sync(many, "tapeflow.save.staging")
     try:
-        with checkpointer() as ck:
+        with checkpointer() as ck:  # with several processes, each writes the shards it holds
             ck.save(tmp, args=ocp.args.Composite(**items))
-        if not os.path.lexists(path):
-            os.rename(tmp, path)
-            return
-        os.rename(path, old)  # a kill from here until recover's rename leaves the half-done swap recover finishes
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"saving the checkpoint to {path} failed ({short(e)}); no checkpoint was written (an existing one is left as it was)"
         ) from e
+    _sync(many, "tapeflow.save.written")
+    failed = _swap(tmp, path, old) if lead else None
+    _sync(many, "tapeflow.save.installed")
+    if failed is not None:
+        raise failed
+
+
+def _swap(tmp: str, path: str, old: str) -> CheckpointError | None:
+    """Move the complete checkpoint ``tmp`` to ``path`` (the one there, if any, by way of ``old``); the error, if any."""
+    try:
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+            return None
+        os.rename(path, old)  # a kill from here until recover's rename leaves the half-done swap recover finishes
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(
+            f"saving the checkpoint to {path} failed ({short(e)}); no checkpoint was written (an existing one is left as it was)"
+        )
     if recover(path) != path:
         os.rename(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not move the new checkpoint into {path}; the existing one is left as it was")
+        return CheckpointError(f"could not move the new checkpoint into {path}; the existing one is left as it was")
     shutil.rmtree(old, ignore_errors=True)
+    return None
+
+
+def _sync(many: bool, name: str) -> None:
+    """With several processes (``jax.distributed``), wait until every one of them got here."""
+    if many:
+        multihost_utils.sync_global_devices(name)
+
+
+def _shared_id(many: bool) -> str:
+    """A new save's id (12 hex digits), the same on every process (process 0's)."""
+    words = np.frombuffer(uuid.uuid4().bytes[:8], dtype=np.uint32) >> np.uint32(8)  # two 24-bit halves
+    if many:
+        words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+    return "".join(f"{int(w):06x}" for w in words)
 
 
 # --------------------------------------------------------------------------- restore
@@ -449,8 +549,13 @@ def _check_optimizer(
     return om, treedef, leaves
 
 
-def _target_sharding(current: object) -> jax.sharding.SingleDeviceSharding:
+def _target_sharding(current: object) -> jax.sharding.Sharding:
+    """Where a restored array goes: where the value it replaces lives (its shards, for one over several devices)."""
+    if isinstance(current, jax.ShapeDtypeStruct) and current.sharding is not None:
+        return cast(jax.sharding.Sharding, current.sharding)  # a storage placed by tfl.shard
     dev = device_of(current)
+    if dev is None and isinstance(current, jax.Array) and not isinstance(current, jax.core.Tracer):
+        return current.sharding  # placed by tfl.shard (or a sharded step): restored shard by shard, on this mesh
     return jax.sharding.SingleDeviceSharding(dev if dev is not None else default_device())
 
 
@@ -494,6 +599,13 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
             f"checkpoint at {path} is corrupted or incomplete: its array data could not be read ({msg}); re-save it or restore from an intact copy"
         ) from e
     out: dict[str, jax.Array] = {}
+    summed = [  # the checksums of arrays saved from several devices, computed where they were restored, at once
+        (got_items[item].get(k), spec.digest)
+        for item, w in wanted.items()
+        for k, spec in w.items()
+        if spec.digest.startswith(_SUM) and isinstance(got_items[item], Mapping) and got_items[item].get(k) is not None
+    ]
+    sums = dict(zip((id(v) for v, _ in summed), _digests([v for v, _ in summed], [d for _, d in summed])))
     for item, w in wanted.items():
         got = got_items[item]
         for k, (shape, dtype, digest, _, what) in w.items():
@@ -506,7 +618,7 @@ def _read_arrays(path: str, wanted: dict[str, dict[str, _Want]]) -> dict[str, ja
                 raise CheckpointError(
                     f"checkpoint at {path} is corrupted: the array for {what} reads back as {_spec_str(np.shape(v), v.dtype)}, its metadata says {_spec_str(shape, dtype)}; re-save it or restore from an intact copy"
                 )
-            if _digest(v) != digest:
+            if (sums.get(id(v)) if digest.startswith(_SUM) else _digest(v)) != digest:
                 raise CheckpointError(
                     f"checkpoint at {path} is corrupted: the data of {what} does not match the digest recorded at save time; re-save it or restore from an intact copy"
                 )
@@ -564,7 +676,14 @@ def restore(
     check_thread = getattr(session, "check_thread", None)
     if check_thread is not None:
         check_thread()  # first: the RNG state is set together with the parameters
-    path = recover(os.path.abspath(os.fspath(path)))
+    path = os.path.abspath(os.fspath(path))
+    many = jax.process_count() > 1
+    if not many:
+        path = recover(path)
+    else:  # one process finishes a half swap; the others read what it left at path
+        if jax.process_index() == 0:
+            recover(path)
+        _sync(many, "tapeflow.restore.recovered")
     names, regs, keyed = _registrations(params_or_module)
     meta = _load_meta(path)
     _check_params(path, meta, names, regs, keyed)
@@ -572,7 +691,9 @@ def restore(
     for s in meta.storages:
         p = regs[s.registration]
         what = f"parameter {_reg_label(s.registration, names)}"
-        wanted[PARAMS][s.key] = _Want(tuple(p.shape), p.dtype, s.digest, p.storage.read(None), what)
+        st = p.storage
+        where = st.read(None) if st.pinned is None else jax.ShapeDtypeStruct(st.shape, st.dtype, sharding=st.pinned)
+        wanted[PARAMS][s.key] = _Want(tuple(p.shape), p.dtype, s.digest, where, what)
     opt_plan: tuple[OptimizerEntry, jax.tree_util.PyTreeDef] | None = None
     if optimizer is not None:
         om, opt_treedef, leaves = _check_optimizer(path, meta, optimizer, regs, names)
