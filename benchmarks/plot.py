@@ -861,8 +861,7 @@ def nan_cost(runs: Sequence[Run]) -> str:
 
     models = list(dict.fromkeys(str(r["model"]) for r in rows if r.get("section") == "debug_nans"))
     header = [
-        "model",
-        "path",
+        "model, path",
         "`debug_nans=True`",
         "waiting every step",
         "`jax_debug_nans`",
@@ -873,8 +872,10 @@ def nan_cost(runs: Sequence[Run]) -> str:
         for path in NAN_PATHS:
             anomaly = ratio("debug_nans", m, "pytorch+detect_anomaly") if path == "eager" else ""
             cells = [ratio("debug_nans", m, f"{path}+{c}") for c in ("debug_nans", "wait", "jax_debug_nans")]
-            body.append([short_model(m), path, *cells, anomaly])
-    parts = [f"The models: {' and '.join(models)}.", table(header, body, ["l", "l", "r", "r", "r", "r"])]
+            # model and path share a cell: every column is at least the theme's 5rem wide, and six
+            # of them with their padding are wider than the text column
+            body.append([f"{short_model(m)}, {path}", *cells, anomaly])
+    parts = [f"The models: {' and '.join(models)}.", table(header, body, ["l", "r", "r", "r", "r"])]
     failing = []
     for r in rows:
         v = str(r.get("variant", ""))
