@@ -329,12 +329,18 @@ def test_at_1280_px_no_code_or_table_is_cut(measured: dict[str, tuple[_Page, _Pa
 
 
 def test_generated_outputs_fit_under_the_copy_button(measured: dict[str, tuple[_Page, _Page]]) -> None:
-    """The width docs/_ext/outputs.py wraps printed lines to is what a code block shows left of its copy button."""
-    columns = {got.column for got, _ in measured.values() if got.column}
+    """The widths printed lines are wrapped to are what a code block shows left of its copy button.
+
+    docs/_ext/outputs.py wraps a page's outputs to its text column; docs/_ext/gallery.py wraps the
+    gallery's to a card, narrower than the column (a card is the gallery's widest code block).
+    """
+    columns = {page: got.column for page, (got, _) in measured.items() if got.column}
     assert columns, "no code block with a copy button was measured"
-    width = _ext_outputs().WIDTH
-    for shown, before_button in columns:
-        assert width <= before_button <= shown, (width, before_button, shown)
+    assert GALLERY in columns, "the gallery's cards show code blocks"
+    widths = {GALLERY: _ext("gallery").WIDTH}
+    for page, (shown, before_button) in columns.items():
+        width = widths.get(page, _ext("outputs").WIDTH)
+        assert width <= before_button <= shown, (page, width, before_button, shown)
 
 
 def test_at_390_px_no_page_is_wider_than_the_phone(measured: dict[str, tuple[_Page, _Page]]) -> None:
@@ -347,17 +353,22 @@ def test_at_390_px_no_page_is_wider_than_the_phone(measured: dict[str, tuple[_Pa
     assert not problems, f"{len(problems)} page(s) wider than a {PHONE} px phone:\n" + "\n".join(problems)
 
 
-def _ext_outputs() -> Any:
-    spec = importlib.util.spec_from_file_location("docs_ext_outputs", ROOT / "docs" / "_ext" / "outputs.py")
+GALLERY = "gallery/index.html"
+
+
+@functools.cache
+def _ext(name: str) -> Any:
+    """``docs/_ext/<name>.py``, imported from its path (docs/_ext is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"docs_ext_{name}", ROOT / "docs" / "_ext" / f"{name}.py")
     assert spec and spec.loader
-    outputs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(outputs)
-    return outputs
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_generated_outputs_wrap_long_printed_lines() -> None:
     """docs/_ext/outputs.py wraps what a page's code prints at spaces, continuations indented 2 more."""
-    outputs = _ext_outputs()
+    outputs = _ext("outputs")
     width = outputs.WIDTH
     words = " ".join(f"word{i}" for i in range(30))
     printed = f"short\n  {words}\n{'x' * 100}\n"
