@@ -10,6 +10,9 @@ Writes, under docs/images/:
 * ``getting_started_tape.dot`` / ``.svg``: the tape of the eager step of
   docs/getting-started.md, recorded by running that page's own code blocks
   (``Session.to_dot`` of the very session the page's ``loss_fn`` records on);
+* ``scaling_fsdp.dot`` / ``.svg``: where each storage of docs/scaling.md's model
+  lives under ``"fsdp"`` on eight simulated devices (``tfl.placement_dot``, in a
+  subprocess with eight CPU devices);
 * ``timeline.svg``: a session's generations (matplotlib): recording, a reset
   that bumps the generation, an old handle rejected as stale, and a second
   session with an owner id of its own. The error texts are the real ones.
@@ -108,6 +111,42 @@ def getting_started_dot() -> str:
     return _style(dot)
 
 
+SCALING_DEVICES = 8  # the devices docs/scaling.md's picture shows (simulated CPU devices)
+
+
+def scaling_dot() -> str:
+    """Where each storage of docs/scaling.md's model lives under ``"fsdp"``: ``tfl.placement_dot``, as the page places it.
+
+    Runs the page's first code block (which builds ``model``) and the one that
+    calls ``tfl.shard(model, mesh)`` (the blocks between them train, which the
+    placement does not depend on), in a process with ``SCALING_DEVICES``
+    devices (:func:`scaling_dot_in_subprocess` starts one;
+    ``tests/test_shard.py`` calls this in its own 8-device process).
+    """
+    if len(jax.devices()) != SCALING_DEVICES:
+        raise SystemExit(f"scaling_dot needs {SCALING_DEVICES} devices, this process has {len(jax.devices())}")
+    page = DOCS / "scaling.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    upto = next(i for i, b in enumerate(blocks) if "tfl.shard(model, mesh)" in b)
+    ns: dict[str, Any] = {}
+    with jax.enable_x64(False), contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(blocks[0] + "\n" + blocks[upto], "scaling.md", "exec"), ns)
+    return _style(tfl.placement_dot(ns["model"]))
+
+
+def scaling_dot_in_subprocess() -> str:
+    """:func:`scaling_dot`, run in a fresh process that simulates ``SCALING_DEVICES`` CPU devices."""
+    env = {
+        **__import__("os").environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={SCALING_DEVICES}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import figures; print(figures.scaling_dot(), end='')"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=600
+    ).stdout
+
+
 def render_svg(dot_text: str) -> str:
     """SVG text from ``graphviz-pure -Tsvg`` (the dev dependency's ``dot``)."""
     exe = Path(sys.executable).parent / "graphviz-pure"
@@ -201,6 +240,7 @@ def main() -> None:
         ("tape_fork", fork_dot()),
         ("tied_param", tied_dot()),
         ("getting_started_tape", getting_started_dot()),
+        ("scaling_fsdp", scaling_dot_in_subprocess()),
     ]:
         (IMAGES / f"{name}.dot").write_text(text)
         (IMAGES / f"{name}.svg").write_text(render_svg(text))
