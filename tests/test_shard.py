@@ -226,6 +226,26 @@ _EIGHT = _COMMON + textwrap.dedent(
                      "mirrors": sum(p.storage.mirror is not None for _, p in model.parameter_records())}
     del model, opt, params, state
 
+    # train_step(mesh=..., param_specs=...) without tfl.shard: its sharded parameter too lives only as shards
+    def live_bytes():
+        gc.collect()
+        seen = {}
+        for a in jax.live_arrays():
+            if not a.is_deleted():
+                for s in a.addressable_shards:
+                    seen[(s.device, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+        return {d: sum(n for (e, _), n in seen.items() if e == d) for d in devs}
+    before = live_bytes()
+    w = tfl.Param(np.full((64, 16), 0.1, np.float32), name="w")
+    b = tfl.Param(np.zeros(16, np.float32), name="b")
+    step_ps = tfl.train_step(lambda s, x: tfl.sum(tfl.tanh(s.input(x) @ w + b)),
+                             tfl.Optimizer(optax.sgd(0.1), {"w": w, "b": b}), mesh=mesh8, param_specs={"w": P("data")})
+    step_ps(np.ones((8, 64), np.float32))
+    after = live_bytes()
+    out["param_specs"] = {"spec": spec(w), "mirror": w.storage.mirror is not None, "whole": w.value.nbytes,
+                          "dev0": after[devs[0]] - before[devs[0]], "dev1": after[devs[1]] - before[devs[1]]}
+    del w, b, step_ps
+
     # 2. every path under fsdp equals the same path on one device; the shardings after the steps
     out["paths"] = {}
     for path in ("eager", "lazy", "train_step"):
@@ -480,6 +500,13 @@ def test_fsdp_memory_per_device(runs: dict) -> None:
     # step and the save left) is no more than on device 1, and within the same bound
     assert mem["live_ratio"] <= 1.25 / 8 and mem["live_dev0"] == mem["live_dev1"], mem
     assert mem["mirrors"] == 0, mem
+
+
+def test_param_specs_path_keeps_no_whole_copy_on_device_0(runs: dict) -> None:
+    got = runs["eight"]["param_specs"]
+    assert got["spec"] == ["data"] and not got["mirror"], got
+    # device 0 gained what device 1 did (w's shard, b, the batch's rows, counters), not a copy of w
+    assert got["dev0"] == got["dev1"] < got["whole"], got
 
 
 def test_tensor_parallel_rules_on_a_2d_mesh(runs: dict) -> None:
