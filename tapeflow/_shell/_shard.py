@@ -260,7 +260,8 @@ def shard(target: ShardTarget, mesh: Mesh, rules: Rules = "fsdp", *, data_axis: 
     >>> tfl.shard(model, mesh)                      # fsdp over the "data" axis
     >>> model.weight.sharding.spec, model.bias.sharding.spec
     (P('data',), P('data',))
-    >>> tfl.shard(model, mesh, [(r"weight", jax.sharding.PartitionSpec(None, "data"))])
+    >>> rules = [(r"weight", jax.sharding.PartitionSpec(None, "data"))]
+    >>> tfl.shard(model, mesh, rules)
     >>> model.weight.sharding.spec, model.bias.sharding.spec
     (P(None, 'data'), P())
     """
@@ -304,7 +305,7 @@ def placement_dot(target: ShardTarget) -> str:
     storage kept whole spans every device with one cell); then the shape and
     bytes of one slice, and a last row with the most bytes one device holds
     against one copy of everything. Tied names share a row. Render it with
-    Graphviz (``dot -Tsvg``); :func:`~tapeflow._shell._render.placement_dot` draws it.
+    Graphviz (``dot -Tsvg``), as docs/_ext/figures.py does for the Scaling out guide.
 
     >>> import jax, numpy as np, tapeflow as tfl
     >>> from jax.sharding import Mesh
