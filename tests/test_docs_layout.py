@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -55,6 +56,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
     out = tmp_path_factory.mktemp("layout") / "site"
+    t0 = time.perf_counter()
     proc = subprocess.run(
         [exe, "build", "--site-dir", str(out)],
         cwd=ROOT,
@@ -64,6 +66,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about MkDocs 2.0
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    print(f"mkdocs build: {time.perf_counter() - t0:.0f} s")
     return out
 
 
@@ -138,6 +141,7 @@ def served(site: Path) -> Iterator[str]:
 # buttons; calls back with what it measured (see _Page). Collapsed admonitions are opened first, so
 # the code inside them is measured too.
 MEASURE = r"""
+const phone = arguments[0];  // at the phone width only the page's width and what sticks out
 const done = arguments[arguments.length - 1];
 const content = () => document.querySelector(".md-content") || document.body;
 const longest = (el) => (el.innerText || el.textContent || "").split("\n")
@@ -176,6 +180,18 @@ function brokenInsideWord(code) {
   }
   return null;
 }
+function measurePhone() {
+  // the innermost elements that reach past the screen's right edge
+  const out = {pageWidth: document.documentElement.scrollWidth, scrolls: [], covered: [], broken: [],
+               sticksOut: [], column: null};
+  const past = (el) => { const r = el.getBoundingClientRect(); return r.width > 0 && r.right > PHONE_PX + 1; };
+  for (const el of document.body.querySelectorAll("*")) {
+    if (out.sticksOut.length < 5 && past(el) && !Array.from(el.children).some(past))
+      out.sticksOut.push([el.tagName.toLowerCase(), Math.round(el.getBoundingClientRect().right),
+                          longest(el.closest("pre, table, p, li") || el).slice(0, 80)]);
+  }
+  done(out);
+}
 function measure() {
   for (const d of document.querySelectorAll("details")) d.open = true;
   const root = content();
@@ -199,13 +215,6 @@ function measure() {
     if (code.getClientRects().length < 2) continue;
     const where = brokenInsideWord(code);
     if (where) out.broken.push(where);
-  }
-  // at the phone width: the innermost elements that reach past the screen's right edge
-  const past = (el) => { const r = el.getBoundingClientRect(); return r.width > 0 && r.right > PHONE_PX + 1; };
-  for (const el of document.body.querySelectorAll("*")) {
-    if (out.sticksOut.length < 5 && past(el) && !Array.from(el.children).some(past))
-      out.sticksOut.push([el.tagName.toLowerCase(), Math.round(el.getBoundingClientRect().right),
-                          longest(el.closest("pre, table, p, li") || el).slice(0, 80)]);
   }
   // how many monospace characters the page's widest code block shows, and how many fit left of
   // its copy button (a block in a list, an admonition or a card shows fewer)
@@ -232,7 +241,9 @@ function whenSettled() {
   };
   document.fonts.ready.then(() => setTimeout(poll, 50));
 }
-if (document.readyState === "complete") whenSettled(); else addEventListener("load", whenSettled);
+// the phone width lays out the page the desktop width measured (loaded and settled) again
+if (phone) measurePhone();
+else if (document.readyState === "complete") whenSettled(); else addEventListener("load", whenSettled);
 """.replace("PHONE_PX", str(PHONE))
 
 
@@ -260,8 +271,8 @@ def _viewport(driver: Any, width: int, height: int = 900) -> None:
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
 
 
-def _measure(driver: Any) -> _Page:
-    got = driver.execute_async_script(MEASURE)
+def _measure(driver: Any, phone: bool = False) -> _Page:
+    got = driver.execute_async_script(MEASURE, phone)
     return _Page(
         page_width=got["pageWidth"],
         scrolls=[tuple(s) for s in got["scrolls"]],
@@ -288,7 +299,7 @@ def visit(driver: Any, url: str, shot: Path | None = None) -> tuple[_Page, _Page
         picture = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "jpeg", "quality": 80})
         shot.write_bytes(base64.b64decode(picture["data"]))
     _viewport(driver, PHONE)
-    return desktop, _measure(driver)
+    return desktop, _measure(driver, phone=True)
 
 
 @pytest.fixture(scope="module")
@@ -308,10 +319,13 @@ def measured(browser: Any, served: str, site: Path, screenshots: Path) -> dict[s
     pages = _pages(site)
     assert len(pages) > 20, "the build made the pages"
     got = {}
+    t0 = time.perf_counter()
     for page in pages:
         shot = screenshots / (page.removesuffix(".html").replace("/", "_") + ".jpg")
         got[page] = visit(browser, f"{served}/{page}", shot)
-    print(f"screenshots of the {len(pages)} pages at {DESKTOP} px: {screenshots}")
+    print(
+        f"{len(pages)} pages at {DESKTOP} and {PHONE} px: {time.perf_counter() - t0:.0f} s; screenshots: {screenshots}"
+    )
     return got
 
 
