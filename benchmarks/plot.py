@@ -780,6 +780,12 @@ def all_results(run: Run) -> str:
 
 def _results_table(rows: list[list[str]]) -> str:
     header = ["section", "model", "variant", "time", "ratio", "target"]
+    # one unit for every time ("1.51 ms / step"): said once in the header, so a cell does not wrap
+    units = {r[3].rpartition(" / ")[2] for r in rows if " / " in r[3]}
+    if len(units) == 1 and all(" / " in r[3] or not r[3] for r in rows):
+        (unit,) = units
+        header[3] = f"time / {unit}"
+        rows = [[*r[:3], r[3].rpartition(" / ")[0], *r[4:]] for r in rows]
     align = ["l", "l", "l", "r", "r", "l"]
     keep = [c for c in range(len(header)) if len(rows) < 2 or len({r[c] for r in rows}) > 1 or c == 3]
     fixed = [f"{header[c]}: {rows[0][c]}" for c in range(len(header)) if c not in keep and rows and rows[0][c] != ""]
