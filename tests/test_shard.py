@@ -1,8 +1,9 @@
 """tfl.shard: storages placed once on a mesh, every training path sharded, checkpoints that reshard.
 
 The multi-device checks run in subprocesses (``--xla_force_host_platform_device_count`` only takes effect
-before JAX starts): two processes of 4 devices each over ``jax.distributed`` first, writing a checkpoint,
-then one process of 8 devices that runs every other scenario and restores that checkpoint. Each
+before JAX starts), side by side: two processes of 4 devices each over ``jax.distributed``, writing a
+checkpoint, and one process of 8 devices that runs every other scenario, then restores that checkpoint
+once the two have written it. Each
 scenario's numbers come back as JSON and each test below asserts one part of them against a
 single-device run of the same model in the same subprocess (the oracle).
 """
@@ -157,8 +158,9 @@ _MULTIPROCESS = _COMMON + textwrap.dedent(
     tfl.save(ckpt, model, opt, step)  # each process writes its own shards
     result = {"losses": losses, "values": values(model), "spec": spec(model.wte.weight),
               "addressable": model.wte.weight.value.is_fully_addressable}
-    with open(f"{ckpt}.{pid}.json", "w") as f:  # a file, not stdout: a full pipe would stall the shutdown barrier
+    with open(f"{ckpt}.{pid}.part", "w") as f:  # a file, not stdout: a full pipe would stall the shutdown barrier
         json.dump(result, f)
+    os.replace(f"{ckpt}.{pid}.part", f"{ckpt}.{pid}.json")  # whole when it appears (the 8-device process waits for it)
     jax.distributed.shutdown()
     """
 )
@@ -386,7 +388,13 @@ _EIGHT = _COMMON + textwrap.dedent(
     out["reshard"] = {"loss": diff(got, ref), "values": diff(values(m1), values(m_ref)), **resharded,
                       "same_mesh_exact": again == straight[2:] and values(mb) == values(ma)}
 
-    # 8. a checkpoint written by two processes of 4 devices, restored by one of 8 and by one device
+    # 8. a checkpoint written by two processes of 4 devices (running beside this one), restored by one of 8 and
+    # by one device; each writes its JSON after its save returned, which is after the checkpoint was installed
+    import time
+    deadline = time.monotonic() + 600
+    while not all(os.path.exists(f"{two_proc_ckpt}.{i}.json") for i in range(2)):
+        assert time.monotonic() < deadline, "the two processes wrote no checkpoint"
+        time.sleep(0.2)
     m8b, o8b, s8b = fresh(mesh8)
     mine = [feed(mesh8, s8b, b) for b in data]
     r8, ro8, rs8 = fresh(mesh8)
@@ -423,7 +431,7 @@ def _last_json(text: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Two processes of 4 devices (jax.distributed on localhost), then one process of 8 devices."""
+    """Two processes of 4 devices (jax.distributed on localhost) and, beside them, one process of 8 devices."""
     tmp = tmp_path_factory.mktemp("shard")
     ckpt = str(tmp / "two_proc")
     with socket.socket() as sock:
@@ -431,8 +439,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         port = sock.getsockname()[1]
     two = []
     with contextlib.ExitStack() as stack:
-        # each process logs to a file: neither can block on a full pipe (and stall the other at a barrier)
-        logs = [stack.enter_context(open(tmp / f"process{i}.log", "w+")) for i in range(2)]
+        # every process logs to a file: none can block on a full pipe (and stall the others at a barrier)
+        logs = [stack.enter_context(open(tmp / f"process{i}.log", "w+")) for i in range(3)]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _MULTIPROCESS, str(HERE), str(i), str(port), ckpt],
@@ -443,25 +451,29 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             )
             for i in range(2)
         ]
+        eight_out = stack.enter_context(open(tmp / "eight.json", "w+"))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _EIGHT, str(HERE), str(tmp), ckpt],
+                env=_env(8),
+                stdout=eight_out,
+                stderr=logs[2],
+                text=True,
+            )
+        )
         try:
             for i, p in enumerate(procs):
-                p.wait(timeout=600)
+                p.wait(timeout=900)
                 logs[i].seek(0)
-                assert p.returncode == 0, logs[i].read()[-4000:]
-                two.append(json.loads(Path(f"{ckpt}.{i}.json").read_text()))
+                assert p.returncode == 0, logs[i].read()[-6000:]
+                if i < 2:
+                    two.append(json.loads(Path(f"{ckpt}.{i}.json").read_text()))
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-    proc = subprocess.run(
-        [sys.executable, "-c", _EIGHT, str(HERE), str(tmp), ckpt],
-        env=_env(8),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return {"two": two, "eight": _last_json(proc.stdout)}
+        eight_out.seek(0)
+        return {"two": two, "eight": _last_json(eight_out.read())}
 
 
 def test_every_path_under_fsdp_equals_one_device(runs: dict) -> None:
