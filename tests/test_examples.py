@@ -66,9 +66,9 @@ def stated_seconds(name: str) -> float:
 def within_stated_time(name: str) -> Iterator[None]:
     """Fail when the block (a run of ``examples/<name>``) takes more than twice the example's stated run time.
 
-    The scripts and the notebook run whole, as a user runs them; the demo runs its default training; the
-    char LM, WGAN-GP and MAML run shortened here, so for them the bound is loose (a slowdown of several
-    times still shows)."""
+    The scripts and the notebook run whole, as a user runs them; the demo and the char LM run their default
+    training; WGAN-GP and MAML run shortened here, so for them the bound is loose (a slowdown of several
+    times still shows: .ci/run times their whole runs, docs/_ext/gallery.py --check)."""
     limit = 2.0 * stated_seconds(name)
     t0 = time.perf_counter()
     yield
