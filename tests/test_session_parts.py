@@ -140,6 +140,19 @@ def test_no_grad_is_checked_on_entry_and_then_restores_tracking():
     assert (x * 2.0).requires_grad
 
 
+def test_no_grad_also_decorates_a_function():
+    s = tfl.Session()
+    x = s.input(jnp.ones(2), requires_grad=True)
+
+    @s.no_grad()
+    def frozen(h):
+        return h * 2.0
+
+    assert not frozen(x).requires_grad and not frozen(x).requires_grad  # every call runs in the block
+    assert (x * 2.0).requires_grad
+    np.testing.assert_array_equal(frozen(x).value, [2.0, 2.0])
+
+
 def test_tangent_matches_jax_jvp_for_handles_and_params():
     w = tfl.Param(jnp.array([0.5, -1.0, 2.0]), name="w")
     xv, tx, tw = jnp.array([1.0, 2.0, 3.0]), jnp.array([0.1, 0.2, 0.3]), jnp.array([1.0, 0.0, -1.0])

@@ -78,9 +78,10 @@ class GradControls:
         self.hooks = {}
 
 
-class NoGrad(Generic[S]):
+class NoGrad(contextlib.ContextDecorator, Generic[S]):
     """A ``no_grad`` block of ``owner`` (what ``with`` gives back): ``enter`` checks the caller first, and
     ``retune`` describes the recording's conditions again once the depth changed, on the way in and out.
+    Also a decorator: the function runs inside the block at every call (as ``@torch.no_grad()``).
 
     >>> ctl, seen = GradControls(), []
     >>> with NoGrad("session", ctl, lambda: None, lambda: seen.append(ctl.depth)) as got:
