@@ -17,6 +17,7 @@ import pytest
 
 import tapeflow as tfl
 from tapeflow._core._result import TapeError
+from tapeflow._core._tape import PENDING
 from tapeflow._shell._gradctl import GradControls, NoGrad, tangent
 from tapeflow._shell._session import traced_session
 from tapeflow._shell._state import StateLog
@@ -185,6 +186,14 @@ def test_assign_cell_writes_eagerly_and_only_records_in_a_traced_recording():
     np.testing.assert_array_equal(traced.new[cell.storage], [5.0, 6.0])
     with pytest.raises(TapeError, match="is trainable"):
         traced.assign_cell(tfl.Param(jnp.zeros(2)), jnp.ones(2), source)
+
+
+def test_a_refused_state_write_computes_nothing_in_a_lazy_session():
+    s = tfl.Session(lazy=True)
+    v = s.input(jnp.ones(2)) * 2.0
+    with pytest.raises(TapeError, match="is trainable"):
+        s.assign_state(tfl.Param(jnp.zeros(2)), v)
+    assert s.recording[v.id].value is PENDING and s.state_writes == {}
 
 
 def test_a_traced_session_records_its_state_writes_for_later_uses():

@@ -54,7 +54,7 @@ from ._planner import BackwardPlanner, TapeGrowthWarning
 from ._random import RNG_SEED_RANGE, RandomKind, RandomStream, rng_int
 from ._recorder import Recorder
 from ._replay import Outline
-from ._state import StateLog
+from ._state import StateLog, check_state_cell
 from ._tensor import Operand, RemovableHandle, Tensor, check_handle, pop_current, push_current
 from ._values import ParamSource, RationalFallbackWarning, ValuePolicy
 
@@ -753,8 +753,9 @@ class Session:
         [0.1, 0.2]
         """
         self.check_thread()
+        cell = check_state_cell(param)  # before a lazy value is computed for it
         v = self.node(value).value if isinstance(value, Tensor) else value
-        self._state_log.assign_cell(param, v, self._param_source if self._mode == "traced" else None)
+        self._state_log.assign_cell(cell, v, self._param_source if self._mode == "traced" else None)
 
     # -- gradient controls (the session's GradControls) ------------------------
     def register_hook(self, h: Tensor, fn: Hook) -> RemovableHandle:
