@@ -265,7 +265,7 @@ def bench_lift(n: int, k: int) -> list[tuple[str, float, float]]:
 
     def on_session(f: Any) -> Any:
         def run() -> None:
-            with tfl.Session() as s:
+            with tfl.Session(lazy=False) as s:  # the per-call cost of an op run at once
                 x = s.input(v, requires_grad=True)
                 for _ in range(n):
                     y = f(x)

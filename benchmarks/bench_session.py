@@ -81,7 +81,7 @@ def tapeflow_step_fn(
     params = {k: tfl.Param(jnp.asarray(v), name=k) for k, v in data.items() if k[0] in "wb"}
     x_dev = jax.device_put(data["x"])
     target = jax.device_put(data["labels"] if use_cross_entropy() else data["onehot"])
-    s = tfl.Session(device="cpu")
+    s = tfl.Session(device="cpu", lazy=False)  # op by op: the per-op overhead this measures
     names = [k for k in params]
     last: list[float] = []
 
@@ -239,7 +239,7 @@ def bench_per_op(quick: bool, res: Results) -> None:
             out[-1].block_until_ready()
 
         def run_session() -> None:
-            with tfl.Session() as s:
+            with tfl.Session(lazy=False) as s:
                 xs = [s.input(v, requires_grad=True) for v in vals]
                 for _ in range(n):
                     y = f(*xs)

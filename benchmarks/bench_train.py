@@ -101,7 +101,7 @@ class TflMLP:
     def __init__(self, ws: list[np.ndarray], x: np.ndarray, y: np.ndarray) -> None:
         self.params = [tfl.Param(w, name=f"p{i}") for i, w in enumerate(ws)]
         self.opt = tfl.Optimizer(optax.adam(LR), self.params)
-        self.s = tfl.Session(seed=0)
+        self.s = tfl.Session(seed=0, lazy=False)  # the eager step this benchmark names
         self.x = jnp.asarray(x)
         self.y = jnp.asarray(y)
         self.onehot = jax.nn.one_hot(self.y, MLP[-1], dtype=jnp.float32)
@@ -140,7 +140,7 @@ class TflAE(TflMLP):
         self.W_dec = tfl.tie(W, name="W_dec")
         self.params = [W, tfl.Param(ws[1], name="b"), tfl.Param(ws[2], name="c")]
         self.opt = tfl.Optimizer(optax.adam(LR), self.params + [self.W_dec])
-        self.s = tfl.Session(seed=0)
+        self.s = tfl.Session(seed=0, lazy=False)  # the eager step this benchmark names
         self.x = jnp.asarray(x)
         self.t_opt = 0.0
 

@@ -10,10 +10,10 @@ Runs offline on scikit-learn's bundled digits (1,797 8x8 images):
     python examples/demo.py                       # CPU
     python examples/demo.py --device gpu          # on a GPU, when JAX has one
     python examples/demo.py --plot curves.png     # also plot the loss and accuracy curves (matplotlib)
-    python examples/demo.py --lazy                # the same loop in a lazy session: one program per step
+    python examples/demo.py --eager               # the same loop op by op (tfl.Session(lazy=False))
 
-At the end it times one training step three ways on the same model: the eager
-loop, the same loop in a lazy session, and one compiled ``tfl.train_step`` call
+At the end it times one training step three ways on the same model: the loop
+in a session (lazy, the default), the same loop op by op, and one compiled ``tfl.train_step`` call
 (the median of 100 steps each, after a few untimed ones).
 
 Run time: about 20 s on one CPU core (a first run: later ones reuse the compilation cache).
@@ -258,10 +258,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="save the loss and test-accuracy curves as a PNG at PATH (a directory: PATH/training_curves.png); "
         "needs matplotlib (pip install -e '.[demo]')",
     )
-    ap.add_argument(
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument(
         "--lazy",
         action="store_true",
-        help="train in a lazy session (tfl.Session(lazy=True)): the same loop, one compiled program per step",
+        help="train in a lazy session, the default of tfl.Session(): the same loop, one compiled program per step",
+    )
+    mode.add_argument(
+        "--eager",
+        action="store_true",
+        help="train op by op (tfl.Session(lazy=False)): every op runs as it is recorded, for debugging",
     )
     ap.add_argument(
         "--compute-dtype",
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     x_tr, x_te, y_tr, y_te = load_data(args.seed)
     model, opt = make(args.seed, args.lr)
     rng = np.random.default_rng(args.seed)
-    session = tfl.Session(device=args.device, seed=args.seed, compute_dtype=args.compute_dtype, lazy=args.lazy)
+    session = tfl.Session(device=args.device, seed=args.seed, compute_dtype=args.compute_dtype, lazy=not args.eager)
     print(f"tapeflow {tfl.__version__} on {session.device}: {len(x_tr)} train / {len(x_te)} test digits")
 
     history = train(

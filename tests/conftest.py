@@ -77,35 +77,18 @@ def lazy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return bool(request.param)
 
 
-def _lazy_everywhere() -> bool:
-    """``TAPEFLOW_TEST_LAZY=1 python -m pytest`` makes lazy the default of every session in the suite.
-
-    Returns the library's own default, as it was before (what ``library_defaults`` puts back).
-    """
-    import os
-
-    import tapeflow
-
-    own = bool(tapeflow.Session.__init__.__kwdefaults__["lazy"])
-    if os.environ.get("TAPEFLOW_TEST_LAZY") == "1":
-        tapeflow.Session.__init__.__kwdefaults__["lazy"] = True
-    return own
-
-
-_LIBRARY_LAZY_DEFAULT = _lazy_everywhere()
-
-
 @pytest.fixture
 def library_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``tfl.Session()`` gets the library's own default again (eager), also under ``TAPEFLOW_TEST_LAZY=1``.
+    """Every ``tfl.Session()`` gets the library's own default (lazy), also when the suite runs under ``TAPEFLOW_LAZY=0``.
 
-    For the text that shows what a user's default session does: the docstring examples
-    (``tfl.Session().lazy`` is ``False`` there) and the doc pages that show what their code
-    printed (an eager session's error). As ``jax.enable_x64(False)`` there undoes the suite's x64.
+    ``TAPEFLOW_LAZY=0 python -m pytest`` runs every default session of the suite op by op. The text
+    that shows what a user's default session does (the docstring examples: ``tfl.Session().lazy`` is
+    ``True`` there; the doc pages that show what their code printed) runs with the library's default.
     """
     import tapeflow
 
-    monkeypatch.setitem(tapeflow.Session.__init__.__kwdefaults__, "lazy", _LIBRARY_LAZY_DEFAULT)
+    monkeypatch.delenv("TAPEFLOW_LAZY", raising=False)
+    monkeypatch.setitem(tapeflow.Session.__init__.__kwdefaults__, "lazy", None)
 
 
 @pytest.fixture

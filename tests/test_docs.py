@@ -67,7 +67,7 @@ def test_docs_code_blocks_run(page: str, request: pytest.FixtureRequest) -> None
         _run_blocks(path)
         return
     # a page that shows what its code prints: the blocks run as its script, and the text shown is what they print
-    # (what a user's default session prints, also under TAPEFLOW_TEST_LAZY=1)
+    # (what a user's default session prints, also under TAPEFLOW_LAZY=0)
     request.getfixturevalue("library_defaults")
     t0 = time.perf_counter()
     rendered = outputs.render(path)

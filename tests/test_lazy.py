@@ -115,6 +115,39 @@ def test_twenty_adam_steps_equal_eager(build):
     assert eager_losses[-1] < eager_losses[0]
 
 
+@pytest.mark.usefixtures("library_defaults")
+class TestTheDefault:
+    """A plain ``tfl.Session()`` records lazily; ``lazy=False`` or ``TAPEFLOW_LAZY=0`` runs op by op."""
+
+    def test_a_plain_session_is_lazy_and_computes_nothing_until_read(self):
+        s = tfl.Session()
+        assert s.lazy and s.mode == "lazy"
+        with s:
+            y = tfl.tanh(s.input(jnp.ones(3)) * 2.0)
+            assert s.recording[y.id].value is PENDING  # recorded, not computed
+            np.testing.assert_allclose(np.asarray(y.value), np.tanh(2.0 * np.ones(3)), rtol=1e-6)
+
+    @pytest.mark.parametrize(
+        ("text", "lazy"), [("0", False), ("false", False), ("off", False), ("1", True), ("", True)]
+    )
+    def test_the_environment_chooses_when_the_call_does_not(self, monkeypatch, text, lazy):
+        monkeypatch.setenv("TAPEFLOW_LAZY", text)
+        assert tfl.Session().lazy is lazy
+        assert tfl.Session(lazy=not lazy).lazy is (not lazy)  # an explicit argument wins
+
+    def test_an_unreadable_switch_is_refused_with_the_values_it_takes(self, monkeypatch):
+        monkeypatch.setenv("TAPEFLOW_LAZY", "sometimes")
+        with pytest.raises(ValueError, match=r"TAPEFLOW_LAZY='sometimes'.*set it to 0"):
+            tfl.Session()
+        assert tfl.Session(lazy=False).mode == "eager"  # an explicit argument never reads it
+
+    def test_op_by_op_runs_each_op_when_it_is_recorded(self, monkeypatch):
+        monkeypatch.setenv("TAPEFLOW_LAZY", "0")
+        with tfl.Session() as s:
+            y = s.input(jnp.ones(3)) * 2.0
+            assert s.recording[y.id].value is not PENDING
+
+
 def test_a_lazy_step_runs_one_program_and_computes_nothing_while_recording():
     params, loss_fn = mlp()
     opt = tfl.Optimizer(optax.adam(1e-2), params)

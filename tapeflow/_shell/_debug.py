@@ -12,7 +12,7 @@ Nothing here runs for a step that is finite.
 >>> s = tfl.Session(debug_nans=True)
 >>> x = s.input(jnp.array([-1.0, 4.0]), requires_grad=True)
 >>> try:
-...     s.backward(tfl.sum(tfl.sqrt(x)))
+...     s.backward(tfl.sum(tfl.sqrt(x)))[x]  # a lazy session checks when it computes
 ... except tfl.NonFiniteError as e:
 ...     print(e.phase, e.op, e.node, e.where.split(":")[0])
 forward sqrt 1 <doctest tapeflow._shell._debug[3]>

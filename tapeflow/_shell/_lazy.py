@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -67,9 +68,36 @@ __all__ = [
     "ParameterGroups",
     "ProgramKey",
     "Ref",
+    "lazy_default",
     "materialize",
     "weak",
 ]
+
+_FALSE, _TRUE = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def lazy_default(flag: bool | None) -> bool:
+    """``flag``, or (None) what the environment variable ``TAPEFLOW_LAZY`` says: lazy unless it is ``0``.
+
+    Unset or empty means lazy (the default of :class:`~tapeflow.Session`);
+    ``0`` / ``false`` / ``no`` / ``off`` mean op-by-op execution, for debugging
+    with a debugger stepping through each op; another value is refused.
+
+    >>> lazy_default(True), lazy_default(False)
+    (True, False)
+    """
+    if flag is not None:
+        return bool(flag)
+    text = os.environ.get("TAPEFLOW_LAZY", "").strip().lower()
+    if text in _FALSE:
+        return False
+    if text in ("", *_TRUE):
+        return True
+    raise ValueError(
+        f"TAPEFLOW_LAZY={os.environ['TAPEFLOW_LAZY']!r} is not a switch: set it to 0 for sessions that run each op "
+        "at once (debugging), to 1 or nothing for lazy sessions (the default)"
+    )
+
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
 _CHECKED = KernelCache("lazy_checked", opaque=True)  # structures whose backward was traced (shapes only)

@@ -47,7 +47,7 @@ from . import _render
 from ._debug import debug_nans_default
 from ._gradctl import GradControls, NoGrad, tangent
 from ._grads import Grads, ParameterGroup, ParameterRecord
-from ._lazy import LazyRecording
+from ._lazy import LazyRecording, lazy_default
 from ._leaves import Leaves
 from ._params import Param, Storage
 from ._planner import BackwardPlanner, TapeGrowthWarning
@@ -122,7 +122,9 @@ class Session:
         and a backward plus an optimizer step run as one compiled program per
         step, cached by the recording's structure (:mod:`tapeflow._shell._lazy`).
         Errors are still raised at record time. Exact-rational ops run eagerly.
-        None (default): False.
+        False runs each op at once (op by op: step through it in a debugger).
+        None (default): the environment variable ``TAPEFLOW_LAZY`` (``0``:
+        False), else True.
     debug_nans:
         True checks every backward's loss and gradients for NaN and infinity
         (one fused check) and raises :class:`~tapeflow.NonFiniteError`, with
@@ -152,7 +154,7 @@ class Session:
         *,
         check_same_thread: bool = True,
         compute_dtype: DTypeLike | None = None,
-        lazy: bool = False,
+        lazy: bool | None = None,
         debug_nans: bool | None = None,
     ) -> None:
         self._setup(
@@ -162,7 +164,7 @@ class Session:
             show_backend=show_backend,
             check_same_thread=check_same_thread,
             compute_dtype=compute_dtype,
-            mode="lazy" if lazy else "eager",
+            mode="lazy" if lazy_default(lazy) else "eager",
             debug_nans=debug_nans_default(debug_nans),
         )
 
@@ -256,7 +258,7 @@ class Session:
         """Whether this session records lazily (``Session(lazy=True)``).
 
         >>> import tapeflow as tfl
-        >>> tfl.Session(lazy=True).lazy, tfl.Session().lazy
+        >>> tfl.Session().lazy, tfl.Session(lazy=False).lazy
         (True, False)
         """
         return self._mode == "lazy"
@@ -266,7 +268,7 @@ class Session:
         """How this session records: ``"eager"``, ``"lazy"`` or ``"traced"`` (see :data:`Mode`).
 
         >>> import jax.numpy as jnp, tapeflow as tfl
-        >>> tfl.Session().mode, tfl.Session(lazy=True).mode
+        >>> tfl.Session(lazy=False).mode, tfl.Session().mode
         ('eager', 'lazy')
         >>> modes = []
         >>> def loss_fn(s):
