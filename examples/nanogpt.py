@@ -13,7 +13,8 @@ logits of both models are compared.
 Then a few training steps with nanoGPT's optimizer: AdamW with betas (0.9,
 0.95), weight decay 0.1 on the 2-D weights only (``tfl.nn.decay_mask``), the
 global gradient norm clipped to 1.0, warmup then cosine decay, one compiled
-``tfl.train_step`` per step that also returns the gradient norm.
+``tfl.train_step`` per step that also returns the gradient norm. The text is
+the char LM's snapshot of the docs (``examples/data/docs_corpus.txt.gz``).
 
 PyTorch is needed only for the reference model (it is a test dependency of
 tapeflow, not a dependency): without it the example says so and exits.
@@ -26,6 +27,7 @@ Run time: about 15 s on one CPU core (a first run: later ones reuse the compilat
 from __future__ import annotations
 
 import argparse
+import gzip
 import time
 from pathlib import Path
 from typing import Any
@@ -129,8 +131,12 @@ def torch_gpt(vocab: int, block_size: int, dim: int, heads: int, layers: int, se
     return TorchGPT().eval()
 
 
-def load_text(root: Path = ROOT) -> str:
-    return (root / "README.md").read_text(encoding="utf-8")
+CORPUS = ROOT / "examples" / "data" / "docs_corpus.txt.gz"
+
+
+def load_text(path: Path = CORPUS) -> str:
+    """The text it trains on: the char LM's snapshot of the docs, so a run prints the same numbers while they change."""
+    return gzip.decompress(path.read_bytes()).decode("utf-8")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -67,7 +67,10 @@ SHOW: dict[str, list[str] | None] = {
     "quickstart.ipynb": None,
 }
 # what each run reads besides the example's own file
-INPUTS: dict[str, list[str]] = {"char_lm.py": ["examples/data/docs_corpus.txt.gz"]}
+INPUTS: dict[str, list[str]] = {
+    "char_lm.py": ["examples/data/docs_corpus.txt.gz"],
+    "nanogpt.py": ["examples/data/docs_corpus.txt.gz"],
+}
 MARKER = re.compile(r"^( *)<!-- example: (\S+) fingerprint: ([0-9a-f]+) -->$")
 RUN_TIME = re.compile(r"^Run time: about (\d+(?:\.\d+)?) (s|min)\b", re.M)
 # a time inside an output line ("(3.4 s)", "in 4.4 s"): it differs from run to run
