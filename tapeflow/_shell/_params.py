@@ -191,10 +191,10 @@ class Storage:
         >>> tfl.Storage.all_on([tfl.Storage(jnp.zeros(2))], jax.devices()[0])
         True
         """
-        for s in storages:  # _where inlined: a compiled step's write-back makes no Python call per storage
+        for s in storages:  # the cached placement read inline: a write-back makes no Python call per storage
             on = s._on
-            if on is None:
-                on = s._on = (device_of(s._current) if s._pinned is None else None) or _SEVERAL
+            if on is None:  # once per cell change
+                on = s._where()
             if on is not device:
                 return False
         return True
