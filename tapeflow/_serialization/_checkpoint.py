@@ -39,7 +39,6 @@ from functools import partial
 from typing import (
     TYPE_CHECKING,
     NamedTuple,
-    Protocol,
     TypeAlias,
     cast,
 )
@@ -53,7 +52,7 @@ from .._core import _registry as R
 from .._core._device import default_device, device_of
 from .._core._typing import Array, ArrayLike, DTypeLike
 from .._shell._commit import commit
-from .._shell._params import Param, canonical_indices
+from .._shell._params import Param, ParamTarget, canonical_indices, registrations
 from .._shell._session import Session
 from .._train._functional import TrainStep
 from ._io import (
@@ -87,52 +86,14 @@ __all__ = ["CheckpointError", "restore", "save"]
 # --------------------------------------------------------------------------- collecting
 
 
-class _HasRecords(Protocol):
-    def parameter_records(self) -> Iterable[tuple[str, Param]]: ...
-
-
-class _HasNamedParameters(Protocol):
-    def named_parameters(self) -> Iterable[tuple[str, Param]]: ...
-
-
-ParamSource: TypeAlias = "Param | Mapping[str, Param] | Iterable[Param] | _HasRecords | _HasNamedParameters"
+ParamSource: TypeAlias = ParamTarget
 StrPath: TypeAlias = "str | os.PathLike[str]"
 
 
 def _registrations(params_or_module: ParamSource) -> tuple[list[str | None], list[Param], bool]:
     """(names, registrations, keyed): keyed when names come from a mapping or a module."""
-    obj = params_or_module
-    if isinstance(obj, Param):
-        return [obj.name], [obj], False
-    if hasattr(obj, "parameter_records") and callable(obj.parameter_records):
-        pairs, keyed = list(obj.parameter_records()), True
-    elif hasattr(obj, "named_parameters") and callable(obj.named_parameters):
-        pairs, keyed = list(obj.named_parameters()), True
-    elif isinstance(obj, Mapping):
-        pairs, keyed = [(str(k), v) for k, v in obj.items()], True
-    else:
-        try:
-            recs = list(cast("Iterable[Param]", obj))  # anything else a user passes fails here, at run time
-        except TypeError:
-            raise TypeError(
-                f"expected a sequence of tfl.Param, a mapping name -> Param, or a module with parameter_records(); got {type(obj).__name__}"
-            ) from None
-        pairs, keyed = [(getattr(p, "name", None), p) for p in recs], False
-    names: list[str | None] = []
-    regs: list[Param] = []
-    for i, pair in enumerate(pairs):
-        try:
-            name, p = pair
-        except (TypeError, ValueError):
-            raise TypeError(f"parameter_records() entry {i} is not a (name, Param) pair: {pair!r}") from None
-        if not isinstance(p, Param):
-            where = f"{name!r}" if keyed else f"position {i}"
-            raise TypeError(f"{where} holds {type(p).__name__}, expected a tfl.Param")
-        if p.bound:
-            raise TypeError(f"{p!r} is a read-only view made by a JAX transformation; pass the original Param")
-        names.append(None if name is None else str(name))
-        regs.append(p)
-    return names, regs, keyed
+    pairs, keyed = registrations(params_or_module)
+    return [n for n, _ in pairs], [p for _, p in pairs], keyed
 
 
 def _spec_str(shape: Iterable[int], dtype: DTypeLike) -> str:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, TypeAlias, cast
 
 import jax
 import numpy as np
@@ -33,7 +34,16 @@ from ._commit import commit
 from ._tensor import RemovableHandle, TensorOps
 from ._values import check_value_kind, stored
 
-__all__ = ["Param", "Storage", "canonical_indices", "tie"]
+__all__ = [
+    "HasNamedParameters",
+    "HasParameterRecords",
+    "Param",
+    "ParamTarget",
+    "Storage",
+    "canonical_indices",
+    "registrations",
+    "tie",
+]
 
 _storage_ids = itertools.count()
 _storage_lock = threading.Lock()
@@ -482,3 +492,70 @@ def canonical_indices(storages: Sequence[Storage | Param | None]) -> list[int | 
                 )
         append(setdefault(id(s), i))
     return out
+
+
+class HasParameterRecords(Protocol):
+    """A module: every registration of its parameters and buffers by path, tied ones included."""
+
+    def parameter_records(self) -> Iterable[tuple[str, Param]]: ...
+
+
+class HasNamedParameters(Protocol):
+    """A collection that names its parameters, as a module does."""
+
+    def named_parameters(self) -> Iterable[tuple[str, Param]]: ...
+
+
+ParamTarget: TypeAlias = "Param | Mapping[str, Param] | Iterable[Param] | HasParameterRecords | HasNamedParameters"
+"""A parameter collection a user hands over: a module, a Param, Params, or a mapping ``name -> Param``."""
+
+
+def registrations(target: ParamTarget, where: str = "") -> tuple[list[tuple[str | None, Param]], bool]:
+    """Each registration of ``target`` with its name, and whether the names are keys (a module's or a mapping's).
+
+    A module gives its paths (``parameter_records``, else ``named_parameters``),
+    a mapping its keys; a lone Param, or an iterable of them, gives each Param's
+    own name (None without one). Every entry must be an original Param (not a
+    read-only view a JAX transformation made); ``where`` (the caller's name)
+    starts each error message.
+
+    >>> import jax.numpy as jnp, tapeflow as tfl
+    >>> w = tfl.Param(jnp.ones(2), name="w")
+    >>> pairs, keyed = registrations([w, tfl.tie(w, name="w_out"), tfl.Param(jnp.ones(1))])
+    >>> [n for n, _ in pairs], pairs[1][1].storage is w.storage, keyed
+    (['w', 'w_out', None], True, False)
+    >>> [n for n, _ in registrations({"a": w})[0]], registrations({"a": w})[1]
+    (['a'], True)
+    """
+    pre = f"{where}: " if where else ""
+    pairs: list[tuple[str | None, object]]
+    if isinstance(target, Param):
+        pairs, keyed = [(target.name, target)], False
+    elif hasattr(target, "parameter_records") and callable(target.parameter_records):
+        pairs, keyed = list(target.parameter_records()), True
+    elif hasattr(target, "named_parameters") and callable(target.named_parameters):
+        pairs, keyed = list(target.named_parameters()), True
+    elif isinstance(target, Mapping):
+        pairs, keyed = [(str(k), v) for k, v in target.items()], True
+    else:
+        try:
+            recs = list(cast("Iterable[Param]", target))  # anything else a user passes fails here, at run time
+        except TypeError:
+            raise TypeError(
+                f"{pre}expected a sequence of tfl.Param, a mapping name -> Param, or a module with "
+                f"parameter_records(); got {type(target).__name__}"
+            ) from None
+        pairs, keyed = [(getattr(p, "name", None), p) for p in recs], False
+    out: list[tuple[str | None, Param]] = []
+    for i, pair in enumerate(pairs):
+        try:
+            name, p = pair
+        except (TypeError, ValueError):
+            raise TypeError(f"{pre}parameter_records() entry {i} is not a (name, Param) pair: {pair!r}") from None
+        if not isinstance(p, Param):
+            at = f"{name!r}" if keyed else f"position {i}"
+            raise TypeError(f"{pre}{at} holds {type(p).__name__}, expected a tfl.Param")
+        if p.bound:
+            raise TypeError(f"{pre}{p!r} is a read-only view made by a JAX transformation; pass the original Param")
+        out.append((None if name is None else str(name), p))
+    return out, keyed

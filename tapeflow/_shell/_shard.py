@@ -20,9 +20,9 @@ the same sharding. :func:`placement_dot` draws where each storage lives.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol, TypeAlias
+from typing import TypeAlias
 
 import jax
 import numpy as np
@@ -32,7 +32,7 @@ from .._core import _registry as R
 from .._core._typing import Array
 from . import _render
 from ._commit import commit
-from ._params import Param, Storage
+from ._params import Param, ParamTarget, Storage, registrations
 from ._render import spec_text
 
 __all__ = [
@@ -47,15 +47,7 @@ __all__ = [
 ]
 
 
-class _HasRecords(Protocol):
-    def parameter_records(self) -> Iterable[tuple[str, Param]]: ...
-
-
-class _HasNamedParameters(Protocol):
-    def named_parameters(self) -> Iterable[tuple[str, Param]]: ...
-
-
-ShardTarget: TypeAlias = "Param | Mapping[str, Param] | Sequence[Param] | _HasRecords | _HasNamedParameters"
+ShardTarget: TypeAlias = ParamTarget
 """What :func:`shard` places: a module, a Param, a list of Params or a dict ``name -> Param``."""
 
 Rules: TypeAlias = "str | Sequence[tuple[str, PartitionSpec]]"
@@ -74,27 +66,10 @@ def named_records(target: ShardTarget, where: str = "shard") -> list[tuple[str, 
     >>> [n for n, _ in named_records([w, tfl.tie(w, name="w_out"), tfl.Param(jnp.ones(1))])]
     ['w', 'w_out', '2']
     """
+    pairs, _ = registrations(target, where)
     if isinstance(target, Param):
-        pairs: list[tuple[str, object]] = [(target.name or "", target)]
-    elif hasattr(target, "parameter_records") and callable(target.parameter_records):
-        pairs = [(str(n), p) for n, p in target.parameter_records()]
-    elif hasattr(target, "named_parameters") and callable(target.named_parameters):
-        pairs = [(str(n), p) for n, p in target.named_parameters()]
-    elif isinstance(target, Mapping):
-        pairs = [(str(k), v) for k, v in target.items()]
-    elif isinstance(target, Iterable) and not isinstance(target, (str, bytes)):
-        pairs = [(getattr(p, "name", None) or str(i), p) for i, p in enumerate(target)]
-    else:
-        raise TypeError(
-            f"{where}: expected a tfl.nn.Module, a Param, a list of Params or a dict name -> Param, "
-            f"got {type(target).__name__}"
-        )
-    for name, p in pairs:
-        if not isinstance(p, Param):
-            raise TypeError(f"{where}: {name!r} is {type(p).__name__}, expected a tfl.Param")
-        if p.bound:
-            raise TypeError(f"{where}: {p!r} is a read-only view made by a JAX transformation; pass the original Param")
-    return [(n, p) for n, p in pairs if isinstance(p, Param)]
+        return [(pairs[0][0] or "", target)]
+    return [(str(i) if n is None else n, p) for i, (n, p) in enumerate(pairs)]
 
 
 def fsdp_spec(shape: Sequence[int], size: int, axis: str = "data") -> PartitionSpec:
