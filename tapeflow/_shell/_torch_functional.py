@@ -79,14 +79,33 @@ IntOrTuple = int | Sequence[int]
 
 
 def _dtype(x: Operand) -> np.dtype:
+    if type(x) is Tensor:  # the common operand: its dtype is a NumPy dtype already
+        return x.dtype
     got = getattr(x, "dtype", None)
     if got is None or type(got).__module__ == "torch":  # a CPU torch tensor: its dtype is torch's own type
         return np.asarray(x).dtype
     return np.dtype(got)
 
 
+def _shape(x: Operand) -> Shape:
+    """:func:`operand_shape`, read straight off a Tensor (whose shape is a tuple of ints already)."""
+    return x.shape if type(x) is Tensor else operand_shape(x)
+
+
+_ISA: dict[tuple[np.dtype, type], bool] = {}
+
+
+def _isa(dt: np.dtype, kind: type) -> bool:
+    """``jnp.issubdtype(dt, kind)``, remembered per pair (entries ask it on every call, of few distinct dtypes)."""
+    key = (dt, kind)
+    got = _ISA.get(key)
+    if got is None:
+        got = _ISA[key] = bool(jnp.issubdtype(dt, kind))
+    return got
+
+
 def _is_float(x: Operand) -> bool:
-    return bool(jnp.issubdtype(_dtype(x), jnp.floating))
+    return _isa(_dtype(x), jnp.floating)
 
 
 def _ints(op: str, name: str, v: object, n: int, least: int) -> tuple[int, ...]:
@@ -108,14 +127,14 @@ def _ints(op: str, name: str, v: object, n: int, least: int) -> tuple[int, ...]:
 
 def _batched(op: str, x: Operand, spatial: int) -> tuple[Operand, bool]:
     """``x`` with a batch axis (PyTorch's unbatched ``(C, *spatial)`` input gets one), and whether one was added."""
-    nd = len(operand_shape(x))
+    nd = len(_shape(x))
     if nd == spatial + 2:
         return x, False
     if nd == spatial + 1:
         return apply("expand_dims", x, axis=0), True
     want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
     raise ValueError(
-        f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {operand_shape(x)} ({nd} dimensions)"
+        f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {_shape(x)} ({nd} dimensions)"
     )
 
 
@@ -155,7 +174,7 @@ def linear(input: Operand, weight: Operand, bias: Operand | None = None) -> Tens
     ...     tfl.linear(x, jnp.ones((4, 3)), jnp.ones(4)).tolist()[0]
     [4.0, 4.0, 4.0, 4.0]
     """
-    if len(operand_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
+    if len(_shape(weight)) == 1:  # PyTorch's vector weight: one output, no output dimension
         y = apply("matmul", input, weight)
         return y if bias is None else apply("add", y, bias)
     return apply("linear_t", input, weight) if bias is None else apply("linear_t", input, weight, bias)
@@ -182,7 +201,7 @@ def _conv_padding(
 
 
 def _conv_weight_check(op: str, x: Operand, weight: Operand, spatial: int, groups: int) -> None:
-    ws, xs = operand_shape(weight), operand_shape(x)
+    ws, xs = _shape(weight), _shape(x)
     if len(xs) not in (spatial + 1, spatial + 2):
         want = ", ".join(("C", "L") if spatial == 1 else ("C", "H", "W"))
         raise ValueError(f"{op}: input must have shape (N, {want}) or unbatched ({want}), got {xs}")
@@ -221,7 +240,7 @@ def conv1d(
     """
     _conv_weight_check("conv1d", input, weight, 1, groups)
     _float_input("conv1d", input)
-    (k,) = operand_shape(weight)[2:]
+    (k,) = _shape(weight)[2:]
     st = _ints("conv1d", "stride", stride, 1, 1)
     dl = _ints("conv1d", "dilation", dilation, 1, 1)
     ((lo, hi),) = _conv_padding("conv1d", padding, (k,), st, dl)
@@ -256,7 +275,7 @@ def conv2d(
     """
     _conv_weight_check("conv2d", input, weight, 2, groups)
     _float_input("conv2d", input)
-    k = operand_shape(weight)[2:]
+    k = _shape(weight)[2:]
     st = _ints("conv2d", "stride", stride, 2, 1)
     dl = _ints("conv2d", "dilation", dilation, 2, 1)
     pads = _conv_padding("conv2d", padding, k, st, dl)
@@ -312,7 +331,7 @@ def conv_transpose2d(
     (1, 4, 5, 5)
     """
     op = "conv_transpose2d"
-    ws, xs = operand_shape(weight), operand_shape(input)
+    ws, xs = _shape(weight), _shape(input)
     if len(ws) != 4:
         raise ValueError(f"{op}: weight must have shape (in_channels, out_channels/groups, kh, kw), got {ws}")
     if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
@@ -379,7 +398,7 @@ def _pool_out(op: str, size: Shape, k: Shape, st: Shape, pd: Shape, dl: Shape, c
 
 def _lowest(dtype: np.dtype) -> np.ndarray:
     """The padding no entry is below: ``-inf``, or an integer dtype's minimum (PyTorch max-pools integers too)."""
-    if jnp.issubdtype(dtype, jnp.floating):
+    if _isa(dtype, jnp.floating):
         return np.array(-np.inf, dtype)
     return np.array(jnp.iinfo(dtype).min, dtype)
 
@@ -483,7 +502,7 @@ def _max_pool_nd(
     x, added = _batched(op, input, n)
     if _dtype(x) == np.bool_:
         raise TapeError(f"{op}: input has dtype bool; cast it to a number first, e.g. with .float()")
-    size = operand_shape(x)[2:]
+    size = _shape(x)[2:]
     out = _pool_out(op, size, k, st, pd, dl, bool(ceil_mode))
     if n == 1:
         x = apply("expand_dims", x, axis=2)
@@ -573,7 +592,7 @@ def _avg_pool_nd(
         raise ValueError(f"{op}: divisor_override={divisor_override!r} must be None or a non-zero int")
     x, added = _batched(op, input, n)
     _float_input(op, x)
-    size = operand_shape(x)[2:]
+    size = _shape(x)[2:]
     out = _pool_out(op, size, k, st, pd, (1,) * n, bool(ceil_mode))
     if n == 1:
         x = apply("expand_dims", x, axis=2)
@@ -677,7 +696,7 @@ def adaptive_avg_pool1d(input: Operand, output_size: int | Sequence[int]) -> Ten
     ...     F.adaptive_avg_pool1d(x, 2).tolist()
     [[1.0, 3.0]]
     """
-    xs = operand_shape(input)
+    xs = _shape(input)
     if len(xs) not in (2, 3):
         raise ValueError(f"adaptive_avg_pool1d: input must be (N, C, L) or (C, L), got shape {xs}")
     _float_input("adaptive_avg_pool1d", input)
@@ -698,7 +717,7 @@ def adaptive_avg_pool2d(input: Operand, output_size: int | Sequence[int | None] 
     ...     F.adaptive_avg_pool2d(s.input(jnp.ones((2, 3, 5, 7))), 1).shape
     (2, 3, 1, 1)
     """
-    xs = operand_shape(input)
+    xs = _shape(input)
     if len(xs) not in (3, 4):
         raise ValueError(f"adaptive_avg_pool2d: input must be (N, C, H, W) or (C, H, W), got shape {xs}")
     _float_input("adaptive_avg_pool2d", input)
@@ -746,10 +765,10 @@ def embedding(
         )
     if scale_grad_by_freq:
         raise NotImplementedError("embedding: scale_grad_by_freq=True is not supported; pass False")
-    ws = operand_shape(weight)
+    ws = _shape(weight)
     if len(ws) != 2:
         raise ValueError(f"embedding: weight must have shape (num_embeddings, embedding_dim), got {ws}")
-    if not jnp.issubdtype(_dtype(input), jnp.integer):
+    if not _isa(_dtype(input), jnp.integer):
         raise TypeError(f"embedding: input must hold integer indices, got dtype {_dtype(input)}")
     rows = apply("gather", weight, input)
     if padding_idx is None:
@@ -773,7 +792,7 @@ _standardize_op = lift(_standardize, name="torch.nn.functional.layer_norm.any_ep
 
 def _normalized_axes(op: str, input: Operand, normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     ns = (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer)) else tuple(normalized_shape)
-    xs = operand_shape(input)
+    xs = _shape(input)
     if not ns or len(ns) > len(xs) or xs[len(xs) - len(ns) :] != ns:
         raise ValueError(f"{op}: normalized_shape={list(ns)} must be the trailing dimensions of the input's shape {xs}")
     return tuple(range(-len(ns), 0))
@@ -821,7 +840,7 @@ def group_norm(
     ...     F.group_norm(s.input(jnp.arange(8.0).reshape(1, 4, 2)), 2).shape
     (1, 4, 2)
     """
-    xs = operand_shape(input)
+    xs = _shape(input)
     if len(xs) < 2 or not isinstance(num_groups, int) or num_groups < 1 or xs[1] % num_groups:
         raise ValueError(f"group_norm: input {xs} must be (N, C, *) with C divisible by num_groups={num_groups!r}")
     _float_input("group_norm", input)
@@ -884,7 +903,7 @@ def dropout(input: Operand, p: float = 0.5, training: bool = True, inplace: bool
     if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.0 <= float(p) <= 1.0:
         raise ValueError(f"dropout: probability has to be between 0 and 1, but got p={p!r}")
     if not training:  # the input itself, as PyTorch (a Param or an array: recorded, keeping its gradient)
-        return input if isinstance(input, Tensor) else apply("reshape", input, shape=operand_shape(input))
+        return input if isinstance(input, Tensor) else apply("reshape", input, shape=_shape(input))
     if float(p) == 1.0:
         _float_input("dropout", input)
         return apply("mul", input, 0.0)  # PyTorch's p=1: every entry dropped (NaN stays NaN, as input * 0)
@@ -942,7 +961,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"{op}: dropout_p={dropout_p!r} must be in [0, 1)")
     if is_causal and attn_mask is not None:
         raise ValueError(f"{op}: pass attn_mask or is_causal=True, not both (fold the causal mask into attn_mask)")
-    qs, ks, vs = operand_shape(query), operand_shape(key), operand_shape(value)
+    qs, ks, vs = _shape(query), _shape(key), _shape(value)
     if enable_gqa and len(qs) >= 3 and ks[-3] != qs[-3]:
         if qs[-3] % ks[-3] or ks[-3] != vs[-3]:
             raise ValueError(
@@ -962,8 +981,8 @@ def scaled_dot_product_attention(
     if not dropout_p:
         return _float_mask_attention_op(query, key, value, attn_mask, scale=sc, dropout=0.0)
     s = session_of((query, key, value, attn_mask), op)
-    batch = np.broadcast_shapes(qs[:-2], operand_shape(key)[:-2], operand_shape(attn_mask)[:-2])
-    keep = s.bernoulli_mask(batch + (qs[-2], operand_shape(key)[-2]), 1.0 - float(dropout_p))
+    batch = np.broadcast_shapes(qs[:-2], _shape(key)[:-2], _shape(attn_mask)[:-2])
+    keep = s.bernoulli_mask(batch + (qs[-2], _shape(key)[-2]), 1.0 - float(dropout_p))
     return _float_mask_attention_op(query, key, value, attn_mask, keep, scale=sc, dropout=float(dropout_p))
 
 
@@ -980,7 +999,7 @@ def relu(input: Operand, inplace: bool = False) -> Tensor:
     [0.0, 2.0]
     """
     dt = _dtype(input)
-    if jnp.issubdtype(dt, jnp.integer) or dt == np.bool_:  # PyTorch clamps integers too; they carry no gradient
+    if _isa(dt, jnp.integer) or dt == np.bool_:  # PyTorch clamps integers too; they carry no gradient
         return apply("maximum", input, np.zeros((), dt))
     return apply("relu", input)
 
@@ -1094,7 +1113,7 @@ def one_hot(tensor: Operand, num_classes: int = -1) -> Tensor:
     ...     F.one_hot(s.input(jnp.array([0, 2]))).tolist()
     [[1, 0, 0], [0, 0, 1]]
     """
-    if not jnp.issubdtype(_dtype(tensor), jnp.integer):
+    if not _isa(_dtype(tensor), jnp.integer):
         raise TypeError(f"one_hot: tensor must hold integer class indices, got dtype {_dtype(tensor)}")
     if not isinstance(num_classes, (int, np.integer)) or num_classes < -1:
         raise ValueError(f"one_hot: num_classes={num_classes!r} must be -1 (inferred) or a non-negative int")
@@ -1174,8 +1193,8 @@ def normalize(input: Operand, p: float = 2.0, dim: int = 1, eps: float = 1e-12, 
     if out is not None:
         raise TypeError("normalize: out= is not supported (tensors are values); use the returned tensor")
     _float_input("normalize", input)
-    d = _axis("normalize", dim, len(operand_shape(input)))
-    if not operand_shape(input):  # PyTorch reads a 0-d input as one vector of one entry
+    d = _axis("normalize", dim, len(_shape(input)))
+    if not _shape(input):  # PyTorch reads a 0-d input as one vector of one entry
         y = _normalize_op(apply("reshape", input, shape=(1,)), p=float(p), dim=0, eps=float(eps))
         return apply("reshape", y, shape=())
     return _normalize_op(input, p=float(p), dim=d, eps=float(eps))
@@ -1194,7 +1213,7 @@ def cosine_similarity(x1: Operand, x2: Operand, dim: int = 1, eps: float = 1e-8)
     """
     _float_input("cosine_similarity", x1, "x1")
     _float_input("cosine_similarity", x2, "x2")
-    shape = np.broadcast_shapes(operand_shape(x1), operand_shape(x2))
+    shape = np.broadcast_shapes(_shape(x1), _shape(x2))
     d = _axis("cosine_similarity", dim, len(shape))
     if not shape:  # PyTorch reads 0-d inputs as vectors of one entry
         one = [apply("reshape", x, shape=(1,)) for x in (x1, x2)]
@@ -1241,7 +1260,7 @@ def pad(input: Operand, pad: Sequence[int], mode: str = "constant", value: float
     ...     F.pad(x, (2, 1), mode="reflect").tolist()
     [[3.0, 2.0, 1.0, 2.0, 3.0, 2.0]]
     """
-    xs = operand_shape(input)
+    xs = _shape(input)
     pads = list(pad)
     if len(pads) % 2 or len(pads) // 2 > len(xs) or not all(isinstance(p, (int, np.integer)) for p in pads):
         raise ValueError(
@@ -1354,7 +1373,7 @@ def interpolate(
     [[[0.0, 0.25, 0.75, 1.0]]]
     """
     op = "interpolate"
-    xs = operand_shape(input)
+    xs = _shape(input)
     spatial = len(xs) - 2
     if spatial not in (1, 2, 3):
         raise NotImplementedError(f"{op}: input must be (N, C, L), (N, C, H, W) or (N, C, D, H, W), got shape {xs}")
@@ -1466,7 +1485,7 @@ _soft_ce_op = lift(
 
 def _class_target_check(op: str, input: Operand, target: Operand, weight: Operand | None) -> int:
     """The number of classes, after checking PyTorch's shapes: input (N, C, d...) or (C,), target (N, d...) or ()."""
-    xs, ts = operand_shape(input), operand_shape(target)
+    xs, ts = _shape(input), _shape(target)
     if not xs:
         raise ValueError(f"{op}: input must have a class dimension: (C,), (N, C) or (N, C, d1, ...), got shape ()")
     cd = 1 if len(xs) >= 2 else 0
@@ -1475,8 +1494,8 @@ def _class_target_check(op: str, input: Operand, target: Operand, weight: Operan
             f"{op}: target of shape {ts} does not match input {xs}: class indices need input.shape without "
             f"dim {cd} ({xs[:cd] + xs[cd + 1 :]})"
         )
-    if weight is not None and operand_shape(weight) != (xs[cd],):
-        raise ValueError(f"{op}: weight must have shape ({xs[cd]},) (one per class), got {operand_shape(weight)}")
+    if weight is not None and _shape(weight) != (xs[cd],):
+        raise ValueError(f"{op}: weight must have shape ({xs[cd]},) (one per class), got {_shape(weight)}")
     _float_input(op, input)
     return xs[cd]
 
@@ -1505,7 +1524,7 @@ def nll_loss(
     0.4904146194458008
     """
     red = _reduction("nll_loss", size_average, reduce, reduction)
-    if not jnp.issubdtype(_dtype(target), jnp.integer):
+    if not _isa(_dtype(target), jnp.integer):
         raise TypeError(f"nll_loss: target must hold integer class indices, got dtype {_dtype(target)}")
     _class_target_check("nll_loss", input, target, weight)
     operands = (input, target) if weight is None else (input, target, weight)
@@ -1543,16 +1562,16 @@ def cross_entropy(
     ls = float(label_smoothing)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"{op}: label_smoothing={label_smoothing!r} must be in [0, 1]")
-    xs = operand_shape(input)
-    if jnp.issubdtype(_dtype(target), jnp.floating):
-        if operand_shape(target) != xs:
-            raise ValueError(f"{op}: class-probability target {operand_shape(target)} must have the input's shape {xs}")
-        if weight is not None and (not xs or operand_shape(weight) != (xs[1 if len(xs) >= 2 else 0],)):
-            raise ValueError(f"{op}: weight must have shape (C,) (one per class), got {operand_shape(weight)}")
+    xs = _shape(input)
+    if _isa(_dtype(target), jnp.floating):
+        if _shape(target) != xs:
+            raise ValueError(f"{op}: class-probability target {_shape(target)} must have the input's shape {xs}")
+        if weight is not None and (not xs or _shape(weight) != (xs[1 if len(xs) >= 2 else 0],)):
+            raise ValueError(f"{op}: weight must have shape (C,) (one per class), got {_shape(weight)}")
         _float_input(op, input)
         operands = (input, target) if weight is None else (input, target, weight)
         return _soft_ce_op(*operands, reduction=red, smoothing=ls)
-    if not jnp.issubdtype(_dtype(target), jnp.integer):
+    if not _isa(_dtype(target), jnp.integer):
         raise TypeError(
             f"{op}: target must be integer class indices or float class probabilities, got {_dtype(target)}"
         )
@@ -1604,13 +1623,11 @@ def _pair_check(op: str, input: Operand, target: Operand, weight: Operand | None
     _float_input(op, input)
     _float_input(op, target, "target")
     try:
-        shape = np.broadcast_shapes(operand_shape(input), operand_shape(target))
+        shape = np.broadcast_shapes(_shape(input), _shape(target))
     except ValueError:
-        raise ValueError(
-            f"{op}: input {operand_shape(input)} and target {operand_shape(target)} do not broadcast together"
-        ) from None
-    if weight is not None and operand_shape(weight) != shape:
-        raise ValueError(f"{op}: weight {operand_shape(weight)} must have the size of the input {shape}")
+        raise ValueError(f"{op}: input {_shape(input)} and target {_shape(target)} do not broadcast together") from None
+    if weight is not None and _shape(weight) != shape:
+        raise ValueError(f"{op}: weight {_shape(weight)} must have the size of the input {shape}")
 
 
 def _pointwise(
@@ -1641,12 +1658,7 @@ def mse_loss(
     5.0
     """
     red = _reduction("mse_loss", size_average, reduce, reduction)
-    if (
-        weight is None
-        and operand_shape(input) == operand_shape(target)
-        and _is_float(input)
-        and _dtype(input) == _dtype(target)
-    ):
+    if weight is None and _shape(input) == _shape(target) and _is_float(input) and _dtype(input) == _dtype(target):
         return apply("mse", input, target, reduction=red)
     return _pointwise("mse_loss", input, target, weight, red, 0.0, True)
 
@@ -1754,10 +1766,8 @@ def binary_cross_entropy(
     0.6931
     """
     red = _reduction("binary_cross_entropy", size_average, reduce, reduction)
-    if operand_shape(target) != operand_shape(input):
-        raise ValueError(
-            f"binary_cross_entropy: target {operand_shape(target)} must have the input's shape {operand_shape(input)}"
-        )
+    if _shape(target) != _shape(input):
+        raise ValueError(f"binary_cross_entropy: target {_shape(target)} must have the input's shape {_shape(input)}")
     _pair_check("binary_cross_entropy", input, target, None)
     operands = (input, target) if weight is None else (input, target, weight)
     return _bce_op(*operands, reduction=red)
@@ -1785,8 +1795,8 @@ def binary_cross_entropy_with_logits(
     """
     op = "binary_cross_entropy_with_logits"
     red = _reduction(op, size_average, reduce, reduction)
-    if operand_shape(target) != operand_shape(input):
-        raise ValueError(f"{op}: target {operand_shape(target)} must have the input's shape {operand_shape(input)}")
+    if _shape(target) != _shape(input):
+        raise ValueError(f"{op}: target {_shape(target)} must have the input's shape {_shape(input)}")
     _pair_check(op, input, target, None)
     w = 1.0 if weight is None else weight
     operands = (input, target, w) if pos_weight is None else (input, target, w, pos_weight)
