@@ -208,7 +208,7 @@ def _version(module: str) -> str | None:
 def machine_info() -> dict[str, Any]:
     """Where and with what the benchmark ran: CPU, OS, Python and library versions, XLA settings.
 
-    ``torch`` and ``flax`` are listed only when the script imported them.
+    ``torch``, ``flax`` and ``equinox`` are listed only when the script imported them.
     """
     info: dict[str, Any] = {
         "processor": _cpu_model(),
@@ -222,7 +222,7 @@ def machine_info() -> dict[str, Any]:
         "numpy": _version("numpy"),
         "tapeflow": _version("tapeflow"),
     }
-    for optional in ("torch", "flax"):
+    for optional in ("torch", "flax", "equinox"):
         if optional in sys.modules:
             info[optional] = getattr(sys.modules[optional], "__version__", None) or _version(optional)
     info["device"] = str(jax.devices()[0])

@@ -16,11 +16,17 @@ Adam (lr 1e-3) and float32. Models:
 * the char-level LM of ``examples/char_lm.py`` (tied embedding, 2 blocks of 64, context 48,
   batch 32; overhead-bound).
 
+On the two overhead-bound MLPs the same model also runs as Equinox users write it (``eqx_jit``:
+an ``eqx.Module`` of ``eqx.nn.Linear`` layers with the same weights, ``jax.vmap`` over the batch,
+``eqx.filter_value_and_grad`` and ``optax.adam`` in one ``eqx.filter_jit`` step), when equinox is
+installed (a dev dependency).
+
 Targets (issue 22): lazy at most 1.15x ``train_step`` on every model and at most 0.45x
 PyTorch eager on the three overhead-bound ones; eager (non-lazy) sessions at most 0.75x
 PyTorch eager on the two overhead-bound MLPs and at most 1.0x on every other model; at
 most 1.5 us of Python per recorded op in a replayed lazy step (the second and later
 recordings of the same forward) and at most 3 us in a fresh one (recorded, never computed).
+Issue 45 adds: on the two overhead-bound MLPs, lazy (the default loop) no slower than ``eqx_jit``.
 
 Timing is min-of-k (best of ``k`` repeats, each the mean over ``n`` steps), the variants of
 one model interleaved repeat by repeat so machine noise hits them alike; times are printed,
@@ -71,6 +77,7 @@ TARGET_EAGER_VS_TORCH_OVERHEAD_MLP = 0.75  # the two overhead-bound MLPs
 TARGET_EAGER_VS_TORCH = 1.0  # every other model
 TARGET_US_PER_OP_REPLAYED = 1.5
 TARGET_US_PER_OP_FRESH = 3.0
+TARGET_VS_EQX = 1.0  # issue 45: the default (lazy) loop no slower than an eqx.filter_jit step
 REPEATS = 15  # k of min-of-k (see the module docstring)
 LM = {"vocab": 80, "context": 48, "dim": 64, "heads": 4, "layers": 2, "batch": 32}
 
@@ -135,6 +142,46 @@ class MLP(Model):
             loss.backward()
             opt.step()
             return None
+
+        return step
+
+    def eqx_step(self) -> Callable[[], Any] | None:
+        """The same MLP and weights in Equinox: ``eqx.nn.Linear`` layers, one ``eqx.filter_jit`` Adam step."""
+        try:
+            import equinox as eqx
+        except ImportError:  # pragma: no cover - equinox is a dev dependency
+            return None
+
+        class Net(eqx.Module):
+            layers: list[eqx.nn.Linear]
+
+            def __call__(self, h: jax.Array) -> jax.Array:
+                for layer in self.layers[:-1]:
+                    h = jax.nn.relu(layer(h))
+                return self.layers[-1](h)
+
+        layers = []
+        keys = jax.random.split(jax.random.key(0), len(self.sizes) - 1)
+        for i, (a, b) in enumerate(zip(self.sizes[:-1], self.sizes[1:])):
+            w, bias = jnp.asarray(self.ws[2 * i].T), jnp.asarray(self.ws[2 * i + 1])  # Linear's weight is (out, in)
+            layers.append(eqx.tree_at(lambda m: (m.weight, m.bias), eqx.nn.Linear(a, b, key=keys[i]), (w, bias)))
+        tx = optax.adam(LR)
+        net = Net(layers)
+        box = [net, tx.init(eqx.filter(net, eqx.is_array))]
+        x, y = jnp.asarray(self.x), jnp.asarray(self.y)
+
+        def loss_fn(net: Net, x: jax.Array, y: jax.Array) -> jax.Array:
+            return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(net)(x), y).mean()
+
+        @eqx.filter_jit
+        def train(net: Net, state: Any, x: jax.Array, y: jax.Array) -> Any:
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(net, x, y)
+            updates, state = tx.update(grads, state, eqx.filter(net, eqx.is_array))
+            return eqx.apply_updates(net, updates), state, loss
+
+        def step() -> Any:
+            box[0], box[1], loss = train(box[0], box[1], x, y)
+            return loss
 
         return step
 
@@ -330,6 +377,9 @@ def main(argv: list[str] | None = None) -> Results:
         tstep = m.torch_step()
         if tstep is not None:
             steps["pytorch"] = tstep
+        estep = m.eqx_step() if isinstance(m, MLP) and m.overhead_bound else None
+        if estep is not None:
+            steps["eqx_jit"] = estep
         times = take_turns(steps, n, k)
         for variant, t in times.items():
             res.add(TRAIN_SECTION, m.name, variant, t, baseline=None if variant == "train_step" else "train_step")
@@ -349,6 +399,15 @@ def main(argv: list[str] | None = None) -> Results:
             + (f", <= {TARGET_VS_TORCH}x pytorch" if m.overhead_bound else "")
             + f": {verdict(ok)}; eager <= {eager_target}x pytorch: {verdict(eager_vs_torch <= eager_target)}"
         )
+        if "eqx_jit" in times:
+            vs_eqx = times["lazy"] / times["eqx_jit"]
+            print(
+                f"{'':30s} eqx.filter_jit {fmt(times['eqx_jit'])}: lazy (the default loop) / eqx {vs_eqx:.2f}x,"
+                f" eqx / pytorch {times['eqx_jit'] / times['pytorch']:.2f}x;"
+                f" target lazy <= {TARGET_VS_EQX}x eqx: {verdict(vs_eqx <= TARGET_VS_EQX)}"
+                if "pytorch" in times
+                else f"{'':30s} eqx.filter_jit {fmt(times['eqx_jit'])}: lazy / eqx {vs_eqx:.2f}x"
+            )
     print()
     print("Python per recorded op of a lazy forward (recorded, not computed):")
     for m in models():
