@@ -50,6 +50,23 @@ NAN_END = "<!-- nan-cost:end -->"
 
 TRAIN_SECTION = "train"
 PER_OP_SECTIONS = ("per_op", "session_per_op")
+# bench_depth: time per step, and to the end of step 2 in a fresh process, of one model at several depths
+DEPTH_SECTION = "depth"
+DEPTH_FIRST_SECTION = "depth_first_step"
+DEPTH_VARIANTS = ("pytorch", "default_loop", "default_loop_unrolled", "eager", "train_step", "hand_jit")
+DEPTH_LABELS = {
+    "pytorch": "PyTorch eager",
+    "default_loop": "`Session()` loop",
+    "default_loop_unrolled": "loop, block loops off",
+    "eager": "`Session(lazy=False)`",
+    "train_step": "`train_step`",
+    "hand_jit": "hand-written `jax.jit`",
+}
+# issue 45's targets for the depth sweep (bench_depth.py prints the same verdicts)
+DEPTH_TARGET_VS_TORCH = 0.8
+DEPTH_TARGET_VS_TRAIN_STEP = 1.15
+DEPTH_TARGET_FIRST_DEEP = 1.3  # the deepest model's time to the end of step 2 over the shallowest's
+DEPTH_TARGET_FIRST_VS_JIT = 1.0
 
 # Display names and colours of the variants the scripts write; any other variant is shown
 # under its own name, in the next free colour, after these (in the order first seen).
@@ -83,6 +100,9 @@ VARIANT_LABELS = {
     "lifted": "tfl.lift op",
     "dict_by_id": "dict keyed by id()",
     "canonical_indices": "tfl.canonical_indices",
+    "eqx_jit": "eqx.filter_jit",
+    "default_loop": "tfl.Session() loop",
+    "default_loop_unrolled": "Session() loop, block loops off",
 }
 VARIANT_COLORS = {
     "eager": "#1f77b4",
@@ -95,7 +115,7 @@ VARIANT_COLORS = {
     "session": "#17becf",
 }
 SPARE_COLORS = ["#d62728", "#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#ffbb78", "#98df8a"]
-VERSION_KEYS = ("python", "jax", "jaxlib", "optax", "numpy", "torch", "flax", "tapeflow")
+VERSION_KEYS = ("python", "jax", "jaxlib", "optax", "numpy", "torch", "flax", "equinox", "tapeflow")
 
 
 # --------------------------------------------------------------------------- loading
@@ -703,6 +723,103 @@ def per_op_table(runs: Sequence[Run]) -> str | None:
     )
 
 
+def _blocks(model: str) -> int | None:
+    """The block count in a depth-sweep model's name (``GPT-like, 16 blocks``)."""
+    m = re.search(r"(\d+) blocks", model)
+    return None if m is None else int(m.group(1))
+
+
+def _verdict(ok: list[tuple[str, bool]]) -> str:
+    """``met`` / ``missed at ...`` / ``met at ..., missed at ...`` over labelled checks."""
+    missed = [name for name, good in ok if not good]
+    if not missed:
+        return "met"
+    met = [name for name, good in ok if good]
+    return ("met at " + ", ".join(met) + "; " if met else "") + "missed at " + ", ".join(missed)
+
+
+def depth_table(runs: Sequence[Run]) -> str | None:
+    """bench_depth's two tables: time per step per depth, and time to the end of step 2 in a fresh process.
+
+    One column per depth and one row per variant: a column per variant is wider than the page.
+    """
+    parts = []
+    recs = collect(runs, [DEPTH_SECTION])
+    names = {b: m for m, _ in recs if (b := _blocks(m)) is not None}
+    depths = sorted(names)
+    if depths:
+        variants = [v for v in DEPTH_VARIANTS if any((names[b], v) in recs for b in depths)]
+        rows = []
+        for v in variants:
+            row = [DEPTH_LABELS.get(v, label(v))]
+            for b in depths:
+                r = recs.get((names[b], v))
+                ratio = None if r is None or v == "pytorch" else ratio_to(r, "pytorch", recs)
+                t = "" if r is None or r.time_us is None else fmt_us(r.time_us)
+                row.append(t + ("" if ratio is None else f" ({ratio:.2f}{TIMES})"))
+            rows.append(row)
+        vs_torch, vs_ts, ts_row = [], [], ["loop / `train_step`"]
+        for b in depths:
+            loop = recs.get((names[b], "default_loop"))
+            r_torch = None if loop is None else ratio_to(loop, "pytorch", recs)
+            r_ts = None if loop is None or (names[b], "train_step") not in recs else ratio_to(loop, "train_step", recs)
+            ts_row.append("" if r_ts is None else f"{r_ts:.2f}{TIMES}")
+            if r_torch is not None:
+                vs_torch.append((f"{b} blocks ({r_torch:.2f}{TIMES})", r_torch <= DEPTH_TARGET_VS_TORCH))
+            if r_ts is not None:
+                vs_ts.append((f"{b} blocks ({r_ts:.2f}{TIMES})", r_ts <= DEPTH_TARGET_VS_TRAIN_STEP))
+        rows.append(ts_row)
+        header = ["per step", *(f"{b} blocks" for b in depths)]
+        parts.append(
+            table(header, rows, ["l"] + ["r"] * len(depths))
+            + "\n\nTime per training step; in brackets, the ratio to PyTorch eager (lower is better). Targets:"
+            f" the `Session()` loop at most {DEPTH_TARGET_VS_TORCH}{TIMES} PyTorch eager at every depth"
+            f" ({_verdict(vs_torch)}), at most {DEPTH_TARGET_VS_TRAIN_STEP}{TIMES} `train_step` ({_verdict(vs_ts)})."
+        )
+    first = collect(runs, [DEPTH_FIRST_SECTION])
+    f_names = {b: m for m, _ in first if (b := _blocks(m)) is not None}
+    f_depths = sorted(f_names)
+    if f_depths:
+        low, high = f_depths[0], f_depths[-1]
+        variants = [v for v in DEPTH_VARIANTS if any((f_names[b], v) in first for b in f_depths)]
+        rows = []
+        for v in variants:
+            row = [DEPTH_LABELS.get(v, label(v))]
+            r0 = first.get((f_names[low], v))
+            for b in f_depths:
+                r = first.get((f_names[b], v))
+                if r is None or r.time_us is None:
+                    row.append("")
+                    continue
+                grow = None if b == low or r0 is None or not r0.time_us else r.time_us / r0.time_us
+                row.append(fmt_us(r.time_us) + ("" if grow is None else f" ({grow:.2f}{TIMES})"))
+            rows.append(row)
+        vs_jit, jit_row = [], ["loop / `jax.jit`"]
+        for b in f_depths:
+            loop = first.get((f_names[b], "default_loop"))
+            r_jit = None if loop is None or (f_names[b], "hand_jit") not in first else ratio_to(loop, "hand_jit", first)
+            jit_row.append("" if r_jit is None else f"{r_jit:.2f}{TIMES}")
+            if r_jit is not None:
+                vs_jit.append((f"{b} blocks ({r_jit:.2f}{TIMES})", r_jit <= DEPTH_TARGET_FIRST_VS_JIT))
+        rows.append(jit_row)
+        deep, shallow = first.get((f_names[high], "default_loop")), first.get((f_names[low], "default_loop"))
+        grow_note = ""
+        if high != low and deep is not None and shallow is not None and deep.time_us and shallow.time_us:
+            g = deep.time_us / shallow.time_us
+            grow_note = (
+                f" at {high} blocks at most {DEPTH_TARGET_FIRST_DEEP}{TIMES} its time at {low} blocks"
+                f" ({'met' if g <= DEPTH_TARGET_FIRST_DEEP else 'missed'}: {g:.2f}{TIMES}), and"
+            )
+        parts.append(
+            table(["to the end of step 2", *(f"{b} blocks" for b in f_depths)], rows, ["l"] + ["r"] * len(f_depths))
+            + "\n\nTime from a fresh process's first line of model code to the end of step 2 (imports and JAX's"
+            " backend start not counted), with an empty compilation cache; in brackets, the time over the same"
+            f" variant's at {low} blocks. Target: the `Session()` loop{grow_note} never more than the"
+            f" hand-written `jax.jit` step ({_verdict(vs_jit)})."
+        )
+    return "\n\n".join(parts) or None
+
+
 MACHINE_KEYS = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", "cpu_dispatch", *VERSION_KEYS]
 LONG_CELL = 24  # characters: a longer value that differs between runs is a numbered note under the table
 
@@ -806,7 +923,11 @@ def render_markdown(runs: Sequence[Run], sources: Sequence[str]) -> str:
             f"**These numbers come from `--quick` runs** ({', '.join(quick)}): few repeats, "
             "noisy. Rerun the commands below without `--quick` on a quiet machine for numbers to quote."
         )
-    for title, body in (("Training step", train_table(runs)), ("Per-op overhead", per_op_table(runs))):
+    for title, body in (
+        ("Training step", train_table(runs)),
+        ("Depth sweep", depth_table(runs)),
+        ("Per-op overhead", per_op_table(runs)),
+    ):
         if body:
             parts.append(f"### {title}\n\n{body}")
     parts.append("### Measured on\n\n" + machine_table(runs))

@@ -276,3 +276,57 @@ def test_performance_page_is_generated_from_the_committed_results() -> None:
         svg = (ROOT / "docs" / "images" / name).read_text()
         dates = {plot.fmt_date(r.date) for r in runs if r.benchmark in ("bench_train", "bench_core")}
         assert any(d in svg for d in dates), f"docs/images/{name} was not rendered from these results"
+
+
+def test_plot_depth_tables(tmp_path: Path) -> None:
+    """bench_depth's records as two tables, one column per depth, with the ratios and issue 45's verdicts."""
+    plot = _load("plot")
+
+    def rec(section: str, blocks: int, variant: str, us: float, baseline: str | None) -> dict[str, Any]:
+        model = f"GPT-like, {blocks} blocks"
+        return {"section": section, "model": model, "variant": variant, "time_us": us, "per": "step"} | {
+            "baseline": baseline,
+            "ratio": None,
+        }
+
+    steady = {"pytorch": (7000.0, 56000.0), "default_loop": (5000.0, 50400.0), "train_step": (4000.0, 40000.0)}
+    first = {"default_loop": (4e6, 6e6), "hand_jit": (5e6, 5.5e6)}
+    results = [
+        rec("depth", b, v, ts[i], None if v == "pytorch" else "pytorch")
+        for i, b in enumerate((2, 16))
+        for v, ts in steady.items()
+    ] + [
+        rec("depth_first_step", b, v, ts[i], None if v == "hand_jit" else "hand_jit")
+        for i, b in enumerate((2, 16))
+        for v, ts in first.items()
+    ]
+    path = tmp_path / "depth.json"
+    path.write_text(
+        json.dumps(
+            {
+                "schema": 1,
+                "benchmark": "bench_depth",
+                "machine": {"processor": "Test CPU", "cpu_count": 2},
+                "date": "2025-03-04T05:06:07+00:00",
+                "command": ["benchmarks/bench_depth.py", "--json", "depth.json"],
+                "quick": False,
+                "results": results,
+            }
+        )
+    )
+    runs = plot.load([path])
+    text = plot.depth_table(runs)
+    assert text is not None
+    lines = text.splitlines()
+    assert "| per step | 2 blocks | 16 blocks |" in lines
+    assert "| PyTorch eager | 7.00 ms | 56.0 ms |" in lines
+    assert f"| `Session()` loop | 5.00 ms (0.71{X}) | 50.4 ms (0.90{X}) |" in lines
+    assert f"| loop / `train_step` | 1.25{X} | 1.26{X} |" in lines
+    assert f"at every depth (met at 2 blocks (0.71{X}); missed at 16 blocks (0.90{X}))" in text
+    # time to the end of step 2: the growth over 2 blocks in brackets, the loop over the hand-written step
+    assert "| to the end of step 2 | 2 blocks | 16 blocks |" in lines
+    assert f"| `Session()` loop | 4.00 s | 6.00 s (1.50{X}) |" in lines
+    assert f"| loop / `jax.jit` | 0.80{X} | 1.09{X} |" in lines
+    assert f"(missed: 1.50{X})" in text and f"missed at 16 blocks (1.09{X})" in text
+    assert "### Depth sweep" in plot.render_markdown(runs, ["depth.json"])
+    assert plot.depth_table(plot.load(_synthetic(tmp_path))) is None  # no depth records, no tables
