@@ -10,6 +10,8 @@ session's result.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import optax
@@ -17,9 +19,11 @@ import pytest
 from test_lazy import char_lm, mlp, programs, tied_autoencoder
 
 import tapeflow as tfl
+import tapeflow._core._registry
 import tapeflow._shell._recorder
 from tapeflow import nn
 from tapeflow._core._tape import PENDING
+from tapeflow._shell import _replay
 
 F32 = np.float32
 
@@ -282,19 +286,19 @@ def test_the_match_written_out_for_an_event_answers_as_the_generic_one():
         x2 = s.input(np.ones((4, 3), F32))  # another handle: node 4, where the event saw node 0
         dev = s.device
         calls = [
-            (lin, ("linear", (x, w, b), (), True, dev)),  # the recorded call
-            (lin, ("linear", (x2, w, b), (), True, dev)),
-            (lin, ("linear", (x, other, b), (), True, dev)),
-            (lin, ("linear", (x, w, b, b), (), True, dev)),
-            (lin, ("linear", (x, w, 1.0), (), True, dev)),
-            (lin, ("matmul", (x, w, b), (), True, dev)),
-            (lin, ("linear", (x, w, b), (), False, dev)),  # recorded with gradients, asked without
-            (lin, ("linear", (x, w, b), (("axis", int, 1),), True, dev)),
-            (mul, ("mul", (h, 0.0), (), True, dev)),
-            (mul, ("mul", (h, -0.0), (), True, dev)),  # -0.0 == 0.0 but is another constant
-            (mul, ("mul", (h, 0), (), True, dev)),
-            (mul, ("mul", (h, False), (), True, dev)),
-            (mul, ("mul", (x, 0.0), (), True, dev)),
+            (lin, ("linear", (x, w, b), {}, True, dev)),  # the recorded call
+            (lin, ("linear", (x2, w, b), {}, True, dev)),
+            (lin, ("linear", (x, other, b), {}, True, dev)),
+            (lin, ("linear", (x, w, b, b), {}, True, dev)),
+            (lin, ("linear", (x, w, 1.0), {}, True, dev)),
+            (lin, ("matmul", (x, w, b), {}, True, dev)),
+            (lin, ("linear", (x, w, b), {}, False, dev)),  # recorded with gradients, asked without
+            (lin, ("linear", (x, w, b), {"axis": 1}, True, dev)),
+            (mul, ("mul", (h, 0.0), {}, True, dev)),
+            (mul, ("mul", (h, -0.0), {}, True, dev)),  # -0.0 == 0.0 but is another constant
+            (mul, ("mul", (h, 0), {}, True, dev)),
+            (mul, ("mul", (h, False), {}, True, dev)),
+            (mul, ("mul", (x, 0.0), {}, True, dev)),
         ]
         matched = [_same_answer(ev, args) for ev, args in calls]
         assert matched == [True] + [False] * 7 + [True] + [False] * 4
@@ -304,8 +308,12 @@ def test_the_match_written_out_for_an_event_answers_as_the_generic_one():
 
 
 def _same_answer(ev, args) -> bool:
-    """Whether ``ev`` matches the call ``args``; its generic and generated matches must agree, nodes included."""
-    generic, written = ev.match(*args), ev._fast(*args)
+    """Whether ``ev`` matches the call ``args`` (its attributes as given); its generic and generated matches must
+    agree, nodes included. The generic match and the node-by-node replay take the attributes keyed, a lane's match
+    takes them as the call gave them."""
+    opname, operands, attrs, *rest = args
+    keyed = (opname, operands, tapeflow._core._registry.attr_key(attrs.items()) if attrs else (), *rest)
+    generic, written = ev.match(*keyed), ev._fast(*keyed)
     assert (generic is None) == (written is None), args[:2]
     vals: list = []
     assert ev.lane(*args, vals) == (generic is not None)  # a lane's match: the same answer
@@ -682,3 +690,40 @@ def test_a_kernel_failing_on_an_eager_replay_raises_as_the_normal_path_and_recor
         assert str(err.value) == kernel_failed("relu", [before[h.id]], RuntimeError("boom"))
         assert s.recording is before  # nothing was recorded
         np.testing.assert_allclose(tfl.tanh(h).value, np.tanh(x @ np.ones((3, 2), F32)), rtol=1e-6)
+
+
+_NAN = float("nan")  # one NaN object: a key holding it equals itself (a tuple compares identity first)
+_ATTRS = [
+    {}, {"a": 1}, {"a": True}, {"a": 1.0}, {"a": np.int64(1)}, {"a": 0.0}, {"a": -0.0}, {"a": np.float64(0.0)},
+    {"a": None}, {"b": None}, {"a": 1.5, "b": "mean"}, {"b": "mean", "a": 1.5}, {"a": 1.5, "b": "sum"},
+    {"a": 1, "b": 2}, {"a": (1, 2)}, {"a": (True, 2)}, {"a": (1.0, 2)}, {"a": (1, 2.0)}, {"a": ()}, {"a": ((1,), 2)},
+    {"a": ((1.0,), 2)}, {"a": (0.0, 2.0)}, {"a": (-0.0, 2.0)}, {"a": ("x", None)}, {"a": [1, 2]}, {"a": _NAN},
+    {"a": float("nan")},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("recorded", [a for a in _ATTRS if not any(type(v) is list for v in a.values())], ids=repr)
+def test_a_lanes_written_out_attribute_test_answers_as_the_attribute_key(recorded):
+    """A lane compares a call's attributes as given with the event's key by code written for that key: it must
+    answer as comparing the keys does (typed: 1, 1.0, True and np.int64(1) differ; -0.0 is not 0.0, in a tuple
+    too; a NaN equals only itself, as a key's tuple compares it)."""
+    key = tapeflow._core._registry.attr_key(recorded.items())
+    ns = {"ATTRS": key, "MISSING": object(), "copysign": math.copysign, "other_attrs": _replay._other_attrs}
+    differs = eval(f"lambda attrs: bool({_replay._attr_tests(key, ns)})", ns)
+    for call in _ATTRS:
+        assert differs(call) == (tapeflow._core._registry.attr_key(call.items()) != key), call
+
+
+def test_a_replayed_call_with_equal_attributes_of_another_type_records_them_as_given():
+    """clamp(lo=-0.0) after steps of clamp(lo=0.0): equal attributes, but another key, so the lane does not match
+    and the op records -0.0 (whose sign the result shows), as a session that never saw lo=0.0 does."""
+    s = tfl.Session(lazy=True)
+    x = np.array([-1.0, 2.0], F32)
+    for lo in (0.0, 0.0, 0.0, -0.0, 0, 0.0):
+        with s:
+            y = tfl.apply("clamp", s.input(x), lo=lo)
+            got = np.asarray(y.value)
+            with tfl.Session(lazy=True) as fresh:
+                want = np.asarray(tfl.apply("clamp", fresh.input(x), lo=lo).value)
+            np.testing.assert_array_equal(got, want)
+            assert np.signbit(got[0]) == np.signbit(want[0]) == (type(lo) is float and math.copysign(1.0, lo) < 0)

@@ -560,18 +560,15 @@ def lane_path(
     lane = rec.lane
     assert lane is not None  # (this path is chosen only while there is one)
     ev = lane.outline.events.get(lane.pos)
-    if ev is not None:
-        try:
-            akey = attr_key(attrs.items()) if attrs else ()
-        except TypeError:
-            akey = None
-        if ev.lane(opname, operands, akey, rec.conditions.tracked, rec.device, lane.vals, rec.host_leaf):
-            if ev.uses:
-                lane.held.append(operands)
-            n = lane.pos = lane.pos + len(ev.plan)
-            note_recorded(rec.ref)
-            shape, dtype = ev.out
-            return Tensor(s, rec.owner, rec.generation, n - 1, shape, dtype)
+    if ev is not None and ev.lane(
+        opname, operands, attrs, rec.conditions.tracked, rec.device, lane.vals, rec.host_leaf
+    ):
+        if ev.uses:
+            lane.held.append(operands)
+        n = lane.pos = lane.pos + len(ev.plan)
+        note_recorded(rec.ref)
+        shape, dtype = ev.out
+        return Tensor(s, rec.owner, rec.generation, n - 1, shape, dtype)
     rec.flush()
     return rec.path(rec, s, opname, operands, attrs)
 

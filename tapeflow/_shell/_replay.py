@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any, cast
 
@@ -157,7 +157,7 @@ class Event:
         # one event per op per step)
         self._fast: Replay | None = None
         # :meth:`match` for a :class:`Lane`, called as ``ev.lane(opname, operands, attrs, tracked, device, vals,
-        # host)``: on a match it appends the values of the leaves the call records (each Param use reads its
+        # host)`` with the call's attributes as given (a mapping, not yet keyed): on a match it appends the values of the leaves the call records (each Param use reads its
         # storage now, a number's constant, an array operand) to ``vals`` and answers True; nodes are built later.
         # The code written out for this event (the same tests as ``_fast``), made on the first call.
         self.lane: LaneMatch = self._first_lane
@@ -328,8 +328,54 @@ Replay = Callable[
 ]
 """An event's match: ``replay(opname, operands, attrs, tracked, device, host)`` as :meth:`Event.match` answers it."""
 
-LaneMatch = Callable[[str, Sequence[object], Hashable, bool, jax.Device, list[Array], "HostLeaf | None"], bool]
-"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals, host)`` (see :attr:`Event.lane`)."""
+LaneMatch = Callable[
+    [str, Sequence[object], Mapping[str, object], bool, jax.Device, list[Array], "HostLeaf | None"], bool
+]
+"""An event's match on a lane: ``lane(opname, operands, attrs, tracked, device, vals, host)`` (see :attr:`Event.lane`);
+``attrs`` as the call gave them, compared with the event's key by code written for it."""
+
+_MISSING = object()  # an attribute the call did not give
+
+
+def _other_attrs(attrs: Mapping[str, object], key: Hashable) -> bool:
+    """Whether the attributes ``attrs`` key other than ``key`` (:func:`~tapeflow._core._registry.attr_key`);
+    attributes that cannot be keyed are other."""
+    try:
+        return R.attr_key(attrs.items()) != key
+    except TypeError:
+        return True
+
+
+def _attr_tests(key: tuple[tuple[object, ...], ...], ns: dict[str, object]) -> str:
+    """A test, written out, that is true when a call's attributes ``attrs`` (a mapping) key other than ``key``.
+
+    Each attribute is compared by its exact type and value, as :func:`~tapeflow._core._registry.attr_key` keys it:
+    a float zero by its sign too, a tuple of ints (or bools, strings) by its elements' types. Any other tuple
+    is compared by the whole key (a -0.0 in a tuple of floats keys apart from 0.0)."""
+    if not key:
+        return "attrs"
+    tests = [f"len(attrs) != {len(key)}"]
+    for i, e in enumerate(key):
+        ns[f"AN{i}"] = e[0]
+        a = f"(a{i} := attrs.get(AN{i}, MISSING))"
+        if len(e) == 4:  # -0.0
+            tests.append(f"type({a}) is not float or a{i} != 0.0 or copysign(1.0, a{i}) > 0.0")
+        elif len(e) == 3:
+            ns[f"AT{i}"], ns[f"AV{i}"] = e[1], e[2]
+            test = f"type({a}) is not AT{i} or (a{i} is not AV{i} and a{i} != AV{i})"
+            if e[1] is float and e[2] == 0.0:
+                test += f" or copysign(1.0, a{i}) < 0.0"
+            tests.append(test)
+        else:
+            typed = cast(tuple[object, ...], e[1])
+            ts = typed[0]
+            if type(ts) is not tuple or any(t in (float, complex, tuple) for t in ts):
+                return "other_attrs(attrs, ATTRS)"
+            ns[f"ATS{i}"], ns[f"AV{i}"] = ts, typed[1]
+            tests.append(
+                f"type({a}) is not tuple or (a{i} is not AV{i} and a{i} != AV{i}) or tuple(map(type, a{i})) != ATS{i}"
+            )
+    return " or ".join(f"({t})" for t in tests)
 
 
 def _specialized(ev: Event, lane: bool = False) -> Any:
@@ -344,13 +390,17 @@ def _specialized(ev: Event, lane: bool = False) -> Any:
     ns: dict[str, object] = {
         "Node": Node, "Tensor": Tensor, "REGISTRY": R.REGISTRY, "same_scalar": same_scalar,
         "CONCRETE": concrete_array_type(), "device_of": device_of, "NDARRAY": np.ndarray, "EV": ev,
-        "OPNAME": ev.opname, "OPDEF": ev.opdef, "ATTRS": ev.attrs, "TRACKED": ev.tracked,
+        "OPNAME": ev.opname, "OPDEF": ev.opdef, "ATTRS": ev.attrs, "TRACKED": ev.tracked, "MISSING": _MISSING,
+        "copysign": math.copysign, "other_attrs": _other_attrs,
     }  # fmt: skip
     n = len(ev.kinds)
     names = "".join(f"o{k}, " for k in range(n))
     miss = "        return False" if lane else "        return None"
+    # a lane's call gives its attributes as they are: tested here, not keyed first (most calls give a few plain
+    # ones, which a key's sort and typed copy cost more than the rest of the match)
+    differ = f"({_attr_tests(cast(tuple[tuple[object, ...], ...], ev.attrs), ns)})" if lane else "attrs != ATTRS"
     body = [
-        f"    if opname != OPNAME or tracked is not TRACKED or attrs != ATTRS or len(operands) != {n}:",
+        f"    if opname != OPNAME or tracked is not TRACKED or {differ} or len(operands) != {n}:",
         miss,
         "    if REGISTRY.get(opname) is not OPDEF:  # redefined since",
         miss,
