@@ -30,8 +30,9 @@ from .._core._result import TapeError
 from .._core._typing import Array, Shape
 from . import _functions
 from ._extend import lift
+from ._params import Param
 from ._surface import torch_entry
-from ._tensor import Operand, Tensor, apply, operand_shape, session_of
+from ._tensor import Operand, Tensor, apply, operand_shape, record_op, session_of
 
 __all__ = [
     "adaptive_avg_pool1d",
@@ -88,8 +89,8 @@ def _dtype(x: Operand) -> np.dtype:
 
 
 def _shape(x: Operand) -> Shape:
-    """:func:`operand_shape`, read straight off a Tensor (whose shape is a tuple of ints already)."""
-    return x.shape if type(x) is Tensor else operand_shape(x)
+    """:func:`operand_shape`, read straight off a Tensor or a Param (whose shapes are tuples of ints already)."""
+    return x.shape if type(x) is Tensor or type(x) is Param else operand_shape(x)
 
 
 _ISA: dict[tuple[np.dtype, type], bool] = {}
@@ -998,6 +999,8 @@ def relu(input: Operand, inplace: bool = False) -> Tensor:
     ...     tfl.relu(s.input(jnp.array([-1.0, 2.0]))).tolist()
     [0.0, 2.0]
     """
+    if type(input) is Tensor and _isa(input.dtype, jnp.floating):  # the common call, the op as it is
+        return record_op("relu", (input,), {})
     dt = _dtype(input)
     if _isa(dt, jnp.integer) or dt == np.bool_:  # PyTorch clamps integers too; they carry no gradient
         return apply("maximum", input, np.zeros((), dt))
@@ -1531,6 +1534,13 @@ def nll_loss(
     return _nll_op(*operands, ignore_index=int(ignore_index), reduction=red, smoothing=0.0)
 
 
+_REDUCTIONS = frozenset(("mean", "sum", "none"))
+# (input shape, dtype, target shape, dtype) of Tensor operands that passed cross_entropy's checks of class-index
+# targets and record the op as they are (no permute): a later call with these specs and plain arguments (a str
+# reduction, an int ignore_index, a float label_smoothing in [0, 1]) records the op at once, as those checks would
+_PLAIN_CLASS_TARGETS: set[tuple[Shape, np.dtype, Shape, np.dtype]] = set()
+
+
 @torch_entry(bind=("tfl", "F"), records="op:cross_entropy", opinfo=("nn.functional.cross_entropy",))
 def cross_entropy(
     input: Operand,
@@ -1557,6 +1567,21 @@ def cross_entropy(
     ...     float(tfl.cross_entropy(x, jnp.array([1, 3])))
     1.3862943649291992
     """
+    if (
+        type(input) is Tensor
+        and type(target) is Tensor
+        and weight is None
+        and size_average is None
+        and reduce is None
+        and type(ignore_index) is int
+        and type(label_smoothing) is float
+        and 0.0 <= label_smoothing <= 1.0
+        and type(reduction) is str
+        and reduction in _REDUCTIONS
+        and (input.shape, input.dtype, target.shape, target.dtype) in _PLAIN_CLASS_TARGETS
+    ):  # the checks below passed for these specs, and these arguments are what they hand the op
+        attrs = {"reduction": reduction, "ignore_index": ignore_index, "label_smoothing": label_smoothing}
+        return record_op("cross_entropy", (input, target), attrs)
     op = "cross_entropy"
     red = _reduction(op, size_average, reduce, reduction)
     ls = float(label_smoothing)
@@ -1577,6 +1602,8 @@ def cross_entropy(
         )
     _class_target_check(op, input, target, weight)
     if weight is None:
+        if len(xs) <= 2 and type(input) is Tensor and type(target) is Tensor:
+            _PLAIN_CLASS_TARGETS.add((input.shape, input.dtype, target.shape, target.dtype))
         x = input
         if len(xs) > 2:  # the op wants classes last
             x = apply("permute", input, axes=(0, *range(2, len(xs)), 1))
