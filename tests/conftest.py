@@ -1,8 +1,10 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -27,6 +29,21 @@ def _share_compiled_programs() -> None:
 
 
 _share_compiled_programs()
+
+
+def _share_run_folder() -> None:
+    """A folder of this run of the suite, shared by its processes (``TAPEFLOW_TEST_RUN_DIR``), removed at the end.
+
+    Made by the process that starts the run, as the compilation cache is: what one xdist worker
+    makes there once (the docs site, see ``docs_site_build``) the other worker reads.
+    """
+    if os.environ.get("TAPEFLOW_TEST_RUN_DIR") is None:
+        folder = tempfile.mkdtemp(prefix="tapeflow-tests-run-")
+        os.environ["TAPEFLOW_TEST_RUN_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_share_run_folder()
 
 # Test modules share helpers with `from _helpers import ...`; make this folder importable
 # under every --import-mode (the default "prepend" mode already does it, "importlib" does not).
@@ -192,3 +209,53 @@ def lane_counts(monkeypatch):
     monkeypatch.setattr(_planner.BackwardPlanner, "lane_backward", counted_backward)
     monkeypatch.setattr(_replay.Lane, "tape", counted_build)
     return counts
+
+
+@dataclass(frozen=True)
+class SiteBuild:
+    """One ``mkdocs build --strict`` of the docs: its exit status, its log and the site folder it wrote."""
+
+    returncode: int
+    log: str
+    site: Path
+
+
+@pytest.fixture(scope="session")
+def docs_site_build() -> SiteBuild:
+    """One strict build of the site per run of the suite, shared by every process of the run.
+
+    tests/test_docs.py checks the build (its warnings, its links) and tests/test_docs_layout.py
+    loads its pages in a browser; under xdist they run on different workers. The first process
+    to ask builds into the run's folder (``TAPEFLOW_TEST_RUN_DIR``) while holding a file lock;
+    the other waits for the lock and reads the same build. The sources do not change during a
+    run, so both see the site a build of their own would make. ``--strict`` stops mkdocs only
+    after it wrote every page (its warnings count at the end), so a strict build that failed on
+    warnings still wrote the whole site.
+    """
+    import json
+
+    folder = Path(os.environ["TAPEFLOW_TEST_RUN_DIR"]) / "docs-site"
+    folder.mkdir(exist_ok=True)
+    result = folder / "result.json"
+    with open(folder / "lock", "w") as lock:
+        try:
+            import fcntl
+        except ImportError:  # no POSIX locks (Windows): each module's process builds its own
+            folder = Path(tempfile.mkdtemp(dir=folder))
+            result = folder / "result.json"
+        else:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not result.is_file():
+            exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
+            assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
+            proc = subprocess.run(
+                [exe, "build", "--strict", "--site-dir", str(folder / "site")],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about MkDocs 2.0
+            )
+            result.write_text(json.dumps({"returncode": proc.returncode, "log": proc.stdout + proc.stderr}))
+        got = json.loads(result.read_text())
+    return SiteBuild(got["returncode"], got["log"], folder / "site")

@@ -6,22 +6,24 @@ import doctest
 import importlib
 import importlib.util
 import inspect
-import os
 import pkgutil
 import re
-import shutil
 import subprocess
 import sys
 import time
 from html.parser import HTMLParser
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 import jax
 import pytest
 
 import tapeflow as tfl
+
+if TYPE_CHECKING:
+    from conftest import SiteBuild
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"```python\n(.*?)```", re.S)
@@ -204,38 +206,19 @@ def test_surface_method_stub_is_up_to_date() -> None:
 
 
 @pytest.fixture(scope="module")
-def strict_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """One strict build of the site for the module (about 30 s): the process (its log) and the site folder."""
-    exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
-    assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
-    site = tmp_path_factory.mktemp("strict") / "site"
-    proc = subprocess.run(
-        [exe, "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about MkDocs 2.0
-    )
-    return proc, site
-
-
-@pytest.fixture(scope="module")
-def site(strict_build: tuple[subprocess.CompletedProcess[str], Path]) -> Path:
+def site(docs_site_build: SiteBuild) -> Path:
     """The built site, once the strict build succeeded."""
-    proc, site = strict_build
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return site
+    assert docs_site_build.returncode == 0, docs_site_build.log
+    return docs_site_build.site
 
 
-def test_mkdocs_build_strict(strict_build: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+def test_mkdocs_build_strict(docs_site_build: SiteBuild) -> None:
     """One strict build of the site, then its HTML: no reST role left, every cross-reference and internal link resolved."""
-    proc, site = strict_build
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
+    log = docs_site_build.log
+    assert docs_site_build.returncode == 0, log
     warnings = [ln for ln in log.splitlines() if re.match(r"\s*(WARNING|ERROR)\b", ln) or "Could not find" in ln]
     assert not warnings, "the docs build warned:\n" + "\n".join(warnings)
-    problems = site_problems(site)
+    problems = site_problems(docs_site_build.site)
     assert not problems, f"{len(problems)} problem(s) in the built site:\n" + "\n".join(problems[:50])
 
 

@@ -37,9 +37,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import SiteBuild
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = "apt-get install -y chromium chromium-driver"
@@ -47,12 +50,15 @@ DESKTOP, PHONE = 1280, 390
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One build of the site for the module (about 30 s), run as tests/test_docs.py runs it.
+def site(docs_site_build: SiteBuild, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site of the run's one strict build (conftest's ``docs_site_build``, shared with tests/test_docs.py).
 
-    Not ``--strict``: the build's warnings are test_mkdocs_build_strict's to report; this
-    module looks only at the pages it made.
+    The build's warnings are test_mkdocs_build_strict's to report; this module looks only at
+    the pages. When the strict build failed, this module builds the site again, not strict
+    (about 30 s).
     """
+    if docs_site_build.returncode == 0:
+        return docs_site_build.site
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert exe, "mkdocs is a dev dependency (pip install -e '.[dev]')"
     out = tmp_path_factory.mktemp("layout") / "site"
