@@ -890,6 +890,30 @@ def test_attention_fully_masked_rows_are_zero_not_nan() -> None:
     assert np.all(np.isfinite(np.asarray(t.value(r2.value))))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "mask"])
+def test_attention_gradient_of_gradient_matches_jax(causal: bool) -> None:
+    """The VJP reads the op's output: differentiating it again (create_graph) goes through that output too."""
+    rng = np.random.default_rng(3)
+    q, k, v, w = (rng.standard_normal((2, 5, 4)) for _ in range(4))
+    mask = None
+    if not causal:
+        mask = rng.random((5, 5)) < 0.6
+        mask[:, 0] = True  # no empty row: the reference's softmax would be NaN there
+    with tfl.Session() as s:
+        xs = [s.input(a, requires_grad=True) for a in (q, k, v)]
+        out = tfl.attention(*xs, *(() if mask is None else (mask,)), causal=causal)
+        gq = s.backward(tfl.sum(tfl.sin(out) * w), create_graph=True)[xs[0]]
+        grads = s.backward(tfl.sum(gq * gq))
+        got = [np.asarray(grads[x]) for x in xs]
+
+    def loss(q: Any, k: Any, v: Any) -> Any:
+        return jnp.sum(jnp.sin(_attention_ref(q, k, v, mask, causal=causal)) * w)
+
+    want = jax.grad(lambda q, k, v: jnp.sum(jax.grad(loss)(q, k, v) ** 2), (0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, np.asarray(r), rtol=1e-9, atol=1e-12)
+
+
 EXACT: list[tuple[str, int, dict[str, Any], Callable[..., Any]]] = [
     ("reshape", 1, {"shape": (3, 2)}, lambda x: x.reshape(3, 2)),
     ("transpose", 1, {}, lambda x: x.T),

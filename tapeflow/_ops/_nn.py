@@ -633,6 +633,13 @@ def _attention_probs(
     if causal:
         lq, lk = q.shape[-2], k.shape[-2]
         tri = jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None]
+        if keep is None and lk > 0:
+            # every query keeps key 0, so no row is empty: the max is finite and the sum positive, and the
+            # guards of the masked form below (two selects and a where over (..., Lq, Lk)) change nothing
+            s = jnp.where(tri, s, jnp.asarray(-jnp.inf, s.dtype))
+            m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+            e = jnp.exp(s - m)
+            return e / jnp.sum(e, axis=-1, keepdims=True), sc
         keep = tri if keep is None else keep & tri
     if keep is None:
         m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
@@ -711,8 +718,12 @@ def _attention_vjp(
     gp = g @ jnp.swapaxes(v, -1, -2)
     if keep is not None:
         gp = _dropped(gp, keep, dropout)
-    gs = p * (gp - jnp.sum(gp * p, axis=-1, keepdims=True)) * sc
-    gq = gs @ k
-    gk = jnp.swapaxes(gs, -1, -2) @ q
+    # the softmax VJP's row sums sum(p * gp) over the Lk keys equal sum(g * out) over the Dv features
+    # (out = pd @ v, with or without dropout): one reduction over Dv, not a product and a reduction over
+    # (..., Lq, Lk); the scale multiplies the (..., L, D) products, not the (..., Lq, Lk) cotangent (XLA:CPU
+    # materializes a broadcast scalar as an operand of the fused matmul)
+    gs = p * (gp - jnp.sum(g * out, axis=-1, keepdims=True))
+    gq = (gs @ k) * sc
+    gk = (jnp.swapaxes(gs, -1, -2) @ q) * sc
     cts = (unbroadcast(gq, q.shape), unbroadcast(gk, k.shape), unbroadcast(gv, v.shape))
     return cts + (None,) * (0 if mask is None else 1 if keep is None else 2)
