@@ -356,14 +356,15 @@ class Recorder:
     def lane_leaf(self, s: Session, v: Array | np.ndarray, dt: np.dtype, requires_grad: bool) -> Tensor | None:
         """An input leaf holding ``v`` (as ``Session.input`` records it) on the lane, if the outline has one here."""
         s.check_thread()
-        lane = cast(Lane, self.lane)
+        lane = self.lane
+        assert lane is not None  # (asked only while there is one)
         ol, n = lane.outline, lane.pos
-        spec = (tuple(v.shape), dt)
+        spec = (v.shape, dt)  # a jax.Array's or an ndarray's shape: a tuple of ints
         if (
             n >= len(ol.keys)
             or n in ol.events
             or n in ol.registered  # the outline's leaf here was a Param's (``use``): this input is not
-            or ol.keys[n] != (None, (), (), self.leaf_grad(requires_grad, dt), spec)
+            or ol.keys[n] != (None, (), (), bool(requires_grad) and self.leaf_grad(requires_grad, dt), spec)
         ):
             return None
         lane.vals.append(v)

@@ -169,12 +169,19 @@ class ValuesIndices(NamedTuple):
 
 
 def _dtype_of(x: Operand) -> np.dtype:
+    if type(x) is Tensor:  # the common operand: its dtype is a NumPy dtype already
+        return x.dtype
     got = getattr(x, "dtype", None)
     if got is None:
         return np.dtype(np.float32) if isinstance(x, builtins.float) else np.asarray(x).dtype
     if type(got).__module__ == "torch":  # a CPU torch tensor: its dtype is torch's own type
         return np.asarray(x).dtype
     return np.dtype(got)
+
+
+def _shape(x: Operand) -> Shape:
+    """:func:`operand_shape`, read straight off a Tensor (whose shape is a tuple of ints already)."""
+    return x.shape if type(x) is Tensor else operand_shape(x)
 
 
 def _dim(op: str, dim: int, ndim: int) -> int:
@@ -321,7 +328,7 @@ def flatten(input: Operand, start_dim: int = 0, end_dim: int = -1) -> Tensor:
     ...     s.input(jnp.ones((2, 3, 4))).flatten(1).shape
     (2, 12)
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     if not shape:
         return apply("reshape", input, shape=(1,))
     lo, hi = _dim("flatten", start_dim, len(shape)), _dim("flatten", end_dim, len(shape))
@@ -339,7 +346,7 @@ def unflatten(input: Operand, dim: int, sizes: Sequence[int]) -> Tensor:
     ...     s.input(jnp.ones((2, 12))).unflatten(1, (3, -1)).shape
     (2, 3, 4)
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     d = _dim("unflatten", dim, len(shape))
     sizes = _sizes("unflatten", tuple(sizes))
     known = math.prod(s for s in sizes if s != -1)
@@ -359,7 +366,7 @@ def squeeze(input: Operand, dim: Dims | None = None, *, axis: Dims | None = None
     ...     x.squeeze().shape, x.squeeze(1).shape
     ((3,), (1, 3))
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     named = _alias("squeeze", dim, None, axis, ("dim", "axis"))
     if isinstance(named, (tuple, list)) and not named:  # PyTorch: an empty dim list names no dimension to squeeze
         return apply("reshape", input, shape=shape)
@@ -380,7 +387,7 @@ def unsqueeze(input: Operand, dim: int) -> Tensor:
     ...     s.input(jnp.ones(3)).unsqueeze(-1).shape
     (3, 1)
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     if not -n - 1 <= dim <= n:
         raise IndexError(
             f"unsqueeze: dim={dim} is out of range for a tensor with {n} dimensions (expected [{-n - 1}, {n}])"
@@ -397,7 +404,7 @@ def permute(input: Operand, *dims: int | Sequence[int]) -> Tensor:
     ...     s.input(jnp.ones((2, 3, 4))).permute(2, 0, 1).shape
     (4, 2, 3)
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     perm = tuple(_dim("permute", d, n) for d in _sizes("permute", dims))
     if sorted(perm) != list(range(n)):
         raise RuntimeError(f"permute: dims {dims} are not a permutation of the {n} dimensions")
@@ -413,7 +420,7 @@ def transpose(input: Operand, dim0: int, dim1: int) -> Tensor:
     ...     s.input(jnp.ones((2, 3, 4))).transpose(-2, -1).shape
     (2, 4, 3)
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     a, b = _dim("transpose", dim0, n), _dim("transpose", dim1, n)
     perm = list(range(n))
     if n:
@@ -430,7 +437,7 @@ def t(input: Operand) -> Tensor:
     ...     s.input(jnp.ones((2, 3))).t().shape
     (3, 2)
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     if n > 2:
         raise RuntimeError(f"t: expects a tensor with <= 2 dimensions, got {n}; use transpose(dim0, dim1) or mT")
     return apply("permute", input, axes=(1, 0) if n == 2 else tuple(range(n)))
@@ -445,8 +452,8 @@ def mT(input: Operand) -> Tensor:
     ...     s.input(jnp.ones((5, 2, 3))).mT.shape
     (5, 3, 2)
     """
-    if len(operand_shape(input)) < 2:
-        raise RuntimeError(f"mT: needs a tensor of at least 2 dimensions, got shape {operand_shape(input)}")
+    if len(_shape(input)) < 2:
+        raise RuntimeError(f"mT: needs a tensor of at least 2 dimensions, got shape {_shape(input)}")
     return transpose(input, -2, -1)
 
 
@@ -471,7 +478,7 @@ def expand(input: Operand, *sizes: int | Sequence[int]) -> Tensor:
     ...     s.input(jnp.ones((3, 1))).expand(2, -1, 4).shape
     (2, 3, 4)
     """
-    shape, want = operand_shape(input), _sizes("expand", sizes)
+    shape, want = _shape(input), _sizes("expand", sizes)
     lead = len(want) - len(shape)
     if lead < 0:
         raise RuntimeError(f"expand: sizes {want} have fewer dimensions than the tensor's shape {shape}")
@@ -490,7 +497,7 @@ def expand_as(input: Operand, other: Operand) -> Tensor:
     ...     s.input(jnp.ones(3)).expand_as(s.input(jnp.ones((2, 3)))).shape
     (2, 3)
     """
-    return apply("broadcast_to", input, shape=operand_shape(other))
+    return apply("broadcast_to", input, shape=_shape(other))
 
 
 @torch_entry(records="op:broadcast_to")
@@ -514,7 +521,7 @@ def repeat(input: Operand, *sizes: int | Sequence[int]) -> Tensor:
     ...     s.input(jnp.array([1.0, 2.0])).repeat(2, 2).tolist()
     [[1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 1.0, 2.0]]
     """
-    shape, reps = operand_shape(input), _sizes("repeat", sizes)
+    shape, reps = _shape(input), _sizes("repeat", sizes)
     if len(reps) < len(shape):
         raise RuntimeError(f"repeat: {len(reps)} repeat sizes for a tensor of {len(shape)} dimensions: give one each")
     full = (1,) * (len(reps) - len(shape)) + tuple(shape)
@@ -542,8 +549,8 @@ def repeat_interleave(
     if dim is None:
         x, d = apply("reshape", input, shape=(-1,)), 0
     else:
-        d = _dim("repeat_interleave", dim, len(operand_shape(input)))
-    shape = operand_shape(x)
+        d = _dim("repeat_interleave", dim, len(_shape(input)))
+    shape = _shape(x)
     if not shape:
         x, shape = apply("reshape", x, shape=(1,)), (1,)
     n = shape[d]
@@ -570,7 +577,7 @@ def flip(input: Operand, dims: Dims) -> Tensor:
     ...     tfl.flip(s.input(jnp.array([1.0, 2.0, 3.0])), [0]).tolist()
     [3.0, 2.0, 1.0]
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     axes = _dims("flip", dims, n) or ()
     return apply("index", input, index=_slices(n, {a: slice(None, None, -1) for a in axes}))
 
@@ -584,7 +591,7 @@ def roll(input: Operand, shifts: int | Sequence[int], dims: Dims | None = None) 
     ...     tfl.roll(s.input(jnp.array([1.0, 2.0, 3.0])), 1).tolist()
     [3.0, 1.0, 2.0]
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     axes = None if dims is None else (_dims("roll", dims, n) or ())
     shift: int | tuple[int, ...] = (
         tuple(shifts) if isinstance(shifts, (tuple, list)) else builtins.int(cast(int, shifts))
@@ -605,7 +612,7 @@ def narrow(input: Operand, dim: int, start: int, length: int) -> Tensor:
     ...     s.input(jnp.arange(5.0)).narrow(0, 1, 3).tolist()
     [1.0, 2.0, 3.0]
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     d = _dim("narrow", dim, len(shape))
     size = shape[d]
     lo = builtins.int(start) + size if start < 0 else builtins.int(start)
@@ -615,7 +622,7 @@ def narrow(input: Operand, dim: int, start: int, length: int) -> Tensor:
 
 
 def _pieces(op: str, x: Operand, sizes: Sequence[int], dim: int) -> tuple[Tensor, ...]:
-    n = len(operand_shape(x))
+    n = len(_shape(x))
     out, start = [], 0
     for k in sizes:
         out.append(apply("index", x, index=_slices(n, {dim: slice(start, start + k)})))
@@ -634,7 +641,7 @@ def split(tensor: Operand, split_size_or_sections: int | Sequence[int], dim: int
     ...     [p.shape for p in tfl.split(s.input(jnp.arange(5.0)), 2)]
     [(2,), (2,), (1,)]
     """
-    shape = operand_shape(tensor)
+    shape = _shape(tensor)
     if not shape:
         raise RuntimeError("split: a 0-d tensor has no dimension to split")
     d = _dim("split", dim, len(shape))
@@ -662,7 +669,7 @@ def chunk(input: Operand, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
     """
     if chunks < 1:
         raise RuntimeError(f"chunk: chunks={chunks} must be at least 1")
-    shape = operand_shape(input)
+    shape = _shape(input)
     if not shape:
         raise RuntimeError("chunk: a 0-d tensor has no dimension to cut")
     n = shape[_dim("chunk", dim, len(shape))]
@@ -679,7 +686,7 @@ def unbind(input: Operand, dim: int = 0) -> tuple[Tensor, ...]:
     ...     [p.tolist() for p in x.unbind(1)]
     [[1.0, 3.0], [2.0, 4.0]]
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     if not shape:
         raise RuntimeError("unbind: a 0-d tensor has no dimension to unbind")
     d = _dim("unbind", dim, len(shape))
@@ -699,7 +706,7 @@ def gather(input: Operand, dim: int, index: Operand, *, sparse_grad: builtins.bo
     ...     tfl.gather(x, 1, jnp.array([[1], [0]])).tolist()
     [[2.0], [3.0]]
     """
-    shape, ishape = operand_shape(input), operand_shape(index)
+    shape, ishape = _shape(input), _shape(index)
     if not np.issubdtype(_dtype_of(index), np.integer):
         raise RuntimeError(f"gather: index must be an integer tensor, got {_dtype_of(index)}")
     if not math.prod(ishape):  # PyTorch checks no shapes for an empty index: the result is empty, shaped as it
@@ -739,7 +746,7 @@ def scatter_add(input: Operand, dim: int, index: Operand, src: Operand) -> Tenso
     ...     x.scatter_add(0, jnp.array([0, 2, 0]), src).tolist()
     [4.0, 0.0, 2.0]
     """
-    shape, ishape, sshape = operand_shape(input), operand_shape(index), operand_shape(src)
+    shape, ishape, sshape = _shape(input), _shape(index), _shape(src)
     if len(ishape) != len(shape) or len(sshape) != len(shape):
         raise RuntimeError(f"scatter_add: input {shape}, index {ishape} and src {sshape} need as many dimensions")
     if not shape:  # 0-d operands: the one index names the one position; scatter as 1-d, then drop the dimension
@@ -767,7 +774,7 @@ def index_select(input: Operand, dim: int, index: Operand) -> Tensor:
     ...     x.index_select(0, jnp.array([1])).tolist()
     [[3.0, 4.0]]
     """
-    shape, ishape = operand_shape(input), operand_shape(index)
+    shape, ishape = _shape(input), _shape(index)
     if len(ishape) > 1:
         raise RuntimeError(f"index_select: index must be 1-d (or 0-d), got shape {ishape}")
     idx = apply("reshape", index, shape=(-1,)) if isinstance(index, TensorOps) and not ishape else index
@@ -792,8 +799,8 @@ def masked_fill(input: Operand, mask: Operand, value: float | Operand) -> Tensor
         raise RuntimeError(f"masked_fill: mask must be a boolean tensor, got {_dtype_of(mask)}")
     dt = _dtype_of(input)
     if isinstance(value, TensorOps):
-        if operand_shape(value):
-            raise RuntimeError(f"masked_fill: value must be a number or a 0-d tensor, got shape {operand_shape(value)}")
+        if _shape(value):
+            raise RuntimeError(f"masked_fill: value must be a number or a 0-d tensor, got shape {_shape(value)}")
         v: Operand = _cast(value, dt)
     else:
         v = np.asarray(value, dt)
@@ -833,7 +840,7 @@ def diagonal(input: Operand, offset: int = 0, dim1: int = 0, dim2: int = 1) -> T
     ...     s.input(jnp.array([[1.0, 2.0], [3.0, 4.0]])).diagonal().tolist()
     [1.0, 4.0]
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     a, b = _dim("diagonal", dim1, n), _dim("diagonal", dim2, n)
     if a == b:
         raise RuntimeError(f"diagonal: dim1 and dim2 name the same dimension ({dim1}, {dim2})")
@@ -849,7 +856,7 @@ def movedim(input: Operand, source: Dims, destination: Dims) -> Tensor:
     ...     tfl.movedim(s.input(jnp.ones((2, 3, 4))), 0, -1).shape
     (3, 4, 2)
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     src = _dims("movedim", source, n) or ()
     dst = _dims("movedim", destination, n) or ()
     if len(src) != len(dst):
@@ -881,7 +888,7 @@ def clone(input: Operand, *, memory_format: object = None) -> Tensor:
     ...     s.input(jnp.ones(2)).clone().tolist()
     [1.0, 1.0]
     """
-    return apply("reshape", input, shape=operand_shape(input))
+    return apply("reshape", input, shape=_shape(input))
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -1239,11 +1246,11 @@ def softmax(
     [[0.5, 0.5]]
     """
     x = _floating(_cast(input, dtype))
-    d = _softmax_dim("softmax", dim, axis, len(operand_shape(input)))
+    d = _softmax_dim("softmax", dim, axis, len(_shape(input)))
     if d is None:
         return apply("div", apply("exp", apply("sub", x, x)), 1.0)  # 0-d: exp(0) = 1, with a gradient path
-    if not math.prod(operand_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
-        return apply("reshape", x, shape=operand_shape(input))
+    if not math.prod(_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
+        return apply("reshape", x, shape=_shape(input))
     return apply("softmax", x, axis=d)
 
 
@@ -1268,11 +1275,11 @@ def log_softmax(
     [-0.6931, -0.6931]
     """
     x = _floating(_cast(input, dtype))
-    d = _softmax_dim("log_softmax", dim, axis, len(operand_shape(input)))
+    d = _softmax_dim("log_softmax", dim, axis, len(_shape(input)))
     if d is None:
         return apply("sub", x, x)
-    if not math.prod(operand_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
-        return apply("reshape", x, shape=operand_shape(input))
+    if not math.prod(_shape(input)):  # nothing to normalize; the op's max has no identity on an empty axis
+        return apply("reshape", x, shape=_shape(input))
     return apply("log_softmax", x, axis=d)
 
 
@@ -1302,7 +1309,7 @@ def clamp(input: Operand, min: float | Operand | None = None, max: float | Opera
         out = apply("where", apply("lt", out, lo), lo, out)
     if hi is not None:
         out = apply("where", apply("gt", out, hi), hi, out)
-    return out if isinstance(out, Tensor) else apply("reshape", out, shape=operand_shape(out))
+    return out if isinstance(out, Tensor) else apply("reshape", out, shape=_shape(out))
 
 
 clip = clamp
@@ -1329,10 +1336,8 @@ def mm(input: Operand, mat2: Operand) -> Tensor:
     ...     s.input(jnp.ones((2, 3))).mm(jnp.ones((3, 4))).shape
     (2, 4)
     """
-    if len(operand_shape(input)) != 2 or len(operand_shape(mat2)) != 2:
-        raise RuntimeError(
-            f"mm: needs two matrices, got shapes {operand_shape(input)} and {operand_shape(mat2)}; use matmul"
-        )
+    if len(_shape(input)) != 2 or len(_shape(mat2)) != 2:
+        raise RuntimeError(f"mm: needs two matrices, got shapes {_shape(input)} and {_shape(mat2)}; use matmul")
     return apply("matmul", input, mat2)
 
 
@@ -1345,7 +1350,7 @@ def bmm(input: Operand, mat2: Operand) -> Tensor:
     ...     s.input(jnp.ones((5, 2, 3))).bmm(jnp.ones((5, 3, 4))).shape
     (5, 2, 4)
     """
-    a, b = operand_shape(input), operand_shape(mat2)
+    a, b = _shape(input), _shape(mat2)
     if len(a) != 3 or len(b) != 3 or a[0] != b[0]:
         raise RuntimeError(f"bmm: needs two 3-d batches of equal size, got shapes {a} and {b}; use matmul")
     return apply("matmul", input, mat2)
@@ -1361,8 +1366,8 @@ def outer(input: Operand, vec2: Operand) -> Tensor:
     ...     tfl.outer(x, jnp.array([1.0, 3.0])).tolist()
     [[1.0, 3.0], [2.0, 6.0]]
     """
-    if len(operand_shape(input)) != 1 or len(operand_shape(vec2)) != 1:
-        raise RuntimeError(f"outer: needs two vectors, got shapes {operand_shape(input)} and {operand_shape(vec2)}")
+    if len(_shape(input)) != 1 or len(_shape(vec2)) != 1:
+        raise RuntimeError(f"outer: needs two vectors, got shapes {_shape(input)} and {_shape(vec2)}")
     return apply("mul", apply("reshape", input, shape=(-1, 1)), vec2)
 
 
@@ -1407,7 +1412,7 @@ def sum(
     [3.0, 3.0]
     """
     d, k = _red("sum", dim, axis, keepdim, keepdims)
-    return apply("sum", _sum_dtype(input, dtype), axis=_dims("sum", d, len(operand_shape(input))), keepdims=k)
+    return apply("sum", _sum_dtype(input, dtype), axis=_dims("sum", d, len(_shape(input))), keepdims=k)
 
 
 @torch_entry(records="op:mean")
@@ -1433,7 +1438,7 @@ def mean(
         raise RuntimeError(
             f"mean: a {_dtype_of(x)} tensor has no floating mean dtype; pass dtype=jnp.float32 or call .float() first"
         )
-    return apply("mean", x, axis=_dims("mean", d, len(operand_shape(input))), keepdims=k)
+    return apply("mean", x, axis=_dims("mean", d, len(_shape(input))), keepdims=k)
 
 
 @torch_entry(records="lifted")
@@ -1454,13 +1459,13 @@ def prod(
     6.0
     """
     d, k = _red("prod", dim, axis, keepdim, keepdims)
-    axes = _dims("prod", d, len(operand_shape(input)))
+    axes = _dims("prod", d, len(_shape(input)))
     return _numpy.record("prod", _sum_dtype(input, dtype), axis=axes, keepdims=k)
 
 
 def _picked(op: str, input: Operand, dim: int, keepdim: builtins.bool, largest: builtins.bool) -> ValuesIndices:
     """``(values, indices)`` of the max (``largest``) or min along ``dim``: the gradient reaches the picked element."""
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     d = _dim(op, dim, n)
     if n == 0:
         return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), _long())))
@@ -1555,7 +1560,7 @@ def amax(
     [4.0, 5.0]
     """
     d, k = _red("amax", dim, axis, keepdim, keepdims, no_dim=dim if dim == () else None)
-    return _extreme(input, _dims("amax", d, len(operand_shape(input))), k, True)
+    return _extreme(input, _dims("amax", d, len(_shape(input))), k, True)
 
 
 @torch_entry(records="ops:neg,max")
@@ -1575,11 +1580,11 @@ def amin(
     [1.0, 2.0]
     """
     d, k = _red("amin", dim, axis, keepdim, keepdims, no_dim=dim if dim == () else None)
-    return _extreme(input, _dims("amin", d, len(operand_shape(input))), k, False)
+    return _extreme(input, _dims("amin", d, len(_shape(input))), k, False)
 
 
 def _position(op: str, input: Operand, dim: int | None, keepdim: builtins.bool) -> Tensor:
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     if dim is None:
         out = _numpy.record(op, apply("reshape", input, shape=(-1,)), axis=0)
         return apply("reshape", out, shape=(1,) * n) if keepdim else out
@@ -1648,7 +1653,7 @@ def _spread(
         raise TypeError(f"{op}: pass unbiased= or correction= (correction=1 is unbiased=True), not both")
     if not _is_float(input):
         raise RuntimeError(f"{op}: needs a floating tensor, got {_dtype_of(input)}; call .float() first")
-    shape = operand_shape(input)
+    shape = _shape(input)
     axes = _dims(op, d, len(shape))
     c = builtins.float(correction if correction is not None else (1.0 if unbiased is None or unbiased else 0.0))
     n = math.prod(shape) if axes is None else math.prod(shape[a] for a in axes)
@@ -1720,8 +1725,8 @@ def logsumexp(
     """
     d, k = _red("logsumexp", dim, axis, keepdim, keepdims)
     x = _floating(input)
-    axes = _dims("logsumexp", d, len(operand_shape(input)))
-    if not operand_shape(input):
+    axes = _dims("logsumexp", d, len(_shape(input)))
+    if not _shape(input):
         return apply("reshape", x, shape=())
     return apply("logsumexp", x, axis=axes, keepdims=k)
 
@@ -1736,7 +1741,7 @@ def cumsum(input: Operand, dim: int, *, dtype: DTypeLike | None = None, axis: in
     [1.0, 3.0, 6.0]
     """
     d = _alias("cumsum", dim, None, axis, ("dim", "axis"))
-    shape = operand_shape(input)
+    shape = _shape(input)
     x = _sum_dtype(input, dtype)
     if not shape:
         _dim("cumsum", d, 0)  # type: ignore[arg-type]
@@ -1788,7 +1793,7 @@ def norm(
     (5.0, 7.0, 4.0)
     """
     x = _floating(_cast(input, dtype))
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     axes = _dims("norm", dim, n)
     if p == "nuc":
         if axes is None or len(axes) != 2:
@@ -1796,7 +1801,7 @@ def norm(
                 axes = (0, 1)
             else:
                 raise RuntimeError(
-                    f"norm: p='nuc' is a matrix norm: give two dims (got dim={dim}, shape {operand_shape(input)})"
+                    f"norm: p='nuc' is a matrix norm: give two dims (got dim={dim}, shape {_shape(input)})"
                 )
         return _nuclear(x, axis=axes, keepdims=builtins.bool(keepdim))
     if p == "fro" or p is None:
@@ -1817,9 +1822,7 @@ def all(input: Operand, dim: Dims | None = None, keepdim: builtins.bool = False)
     ...     s.input(jnp.array([[True, False], [True, True]])).all(1).tolist()
     [False, True]
     """
-    return _numpy.record(
-        "all", input, axis=_dims("all", dim, len(operand_shape(input))), keepdims=builtins.bool(keepdim)
-    )
+    return _numpy.record("all", input, axis=_dims("all", dim, len(_shape(input))), keepdims=builtins.bool(keepdim))
 
 
 @torch_entry(records="lifted")
@@ -1831,9 +1834,7 @@ def any(input: Operand, dim: Dims | None = None, keepdim: builtins.bool = False)
     ...     s.input(jnp.array([[True, False], [False, False]])).any(1).tolist()
     [True, False]
     """
-    return _numpy.record(
-        "any", input, axis=_dims("any", dim, len(operand_shape(input))), keepdims=builtins.bool(keepdim)
-    )
+    return _numpy.record("any", input, axis=_dims("any", dim, len(_shape(input))), keepdims=builtins.bool(keepdim))
 
 
 @torch_entry(records="lifted")
@@ -1848,7 +1849,7 @@ def sort(
     ...     v.tolist(), i.tolist()
     ([3.0, 2.0, 1.0], [0, 2, 1])
     """
-    n = len(operand_shape(input))
+    n = len(_shape(input))
     d = _dim("sort", dim, n)
     if n == 0:
         return ValuesIndices(apply("reshape", input, shape=()), _leaf(input, np.zeros((), _long())))
@@ -1868,7 +1869,7 @@ def topk(
     ...     v.tolist(), i.tolist()
     ([3.0, 2.0], [0, 2])
     """
-    shape = operand_shape(input)
+    shape = _shape(input)
     d = _dim("topk", dim, len(shape))
     size = shape[d] if shape else 1
     if not 0 <= k <= size:
@@ -2144,10 +2145,10 @@ def cat(tensors: Sequence[Operand], dim: int = 0, *, axis: int | None = None) ->
     ts = list(tensors)
     if not ts:
         raise RuntimeError("cat: expects a non-empty list of tensors")
-    n = builtins.max(len(operand_shape(t)) for t in ts)
+    n = builtins.max(len(_shape(t)) for t in ts)
     ts = _promote(ts)
     if n > 1:  # PyTorch's legacy rule: an empty 1-d tensor joins tensors of any rank by being skipped
-        ts = [t for t in ts if operand_shape(t) != (0,)]
+        ts = [t for t in ts if _shape(t) != (0,)]
     return apply("concat", *ts, axis=_dim("cat", d, n))  # type: ignore[arg-type]
 
 
@@ -2169,7 +2170,7 @@ def stack(tensors: Sequence[Operand], dim: int = 0, *, axis: int | None = None) 
     ts = list(tensors)
     if not ts:
         raise RuntimeError("stack: expects a non-empty list of tensors")
-    shapes = {operand_shape(t) for t in ts}
+    shapes = {_shape(t) for t in ts}
     if len(shapes) != 1:
         raise RuntimeError(f"stack: expects tensors of one shape, got {sorted(shapes)}")
     n = len(next(iter(shapes)))
@@ -2331,7 +2332,7 @@ def zeros_like(
     [0, 0]
     """
     dt = _dtype_of(input) if dtype is None else _as_dtype(dtype)
-    return _new("zeros_like", np.zeros(operand_shape(input), dt), input, device, requires_grad)
+    return _new("zeros_like", np.zeros(_shape(input), dt), input, device, requires_grad)
 
 
 @torch_entry(bind=("tfl",), records="constant")
@@ -2351,4 +2352,4 @@ def ones_like(
     [1.0, 1.0]
     """
     dt = _dtype_of(input) if dtype is None else _as_dtype(dtype)
-    return _new("ones_like", np.ones(operand_shape(input), dt), input, device, requires_grad)
+    return _new("ones_like", np.ones(_shape(input), dt), input, device, requires_grad)
