@@ -277,7 +277,9 @@ class Storage:
         """
         if device is None:
             return self._current  # read_current()
-        on = self._where()
+        on = self._on  # cached inline: every Param use of a replayed step reads here
+        if on is None:
+            on = self._where()
         if on is device:
             return self._current  # the common case: the current value lives on the device asked for
         if on is _SEVERAL:
