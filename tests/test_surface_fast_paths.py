@@ -176,3 +176,22 @@ def test_relu_of_a_stale_handle_is_refused_as_the_op_itself_refuses_it():
     with s:
         errors = [_outcome(lambda: tfl.relu(old)), _outcome(lambda: tfl.apply("relu", old))]
     assert errors[0] == errors[1] and errors[0][0] is tfl.TapeError
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "p_dtype"),
+    [("float32", "float32"), ("float16", "float32"), ("float32", "float16"), ("int32", "float32"), ("int32", "int32")],
+)
+def test_a_handle_and_a_param_promote_as_pytorch(x_dtype, p_dtype):
+    """``handle + param`` and ``handle * param``: PyTorch's result dtype and values, recorded and replayed."""
+    x = np.array([[1.0, -2.0], [3.0, 4.0]])
+    p = np.array([0.5, 2.0]) if p_dtype.startswith("float") else np.array([1, 2])
+    w = tfl.Param(p.astype(p_dtype))
+    tx, tp = torch.tensor(x.astype(x_dtype)), torch.tensor(p.astype(p_dtype))
+    s = tfl.Session(lazy=True)
+    for _ in range(3):
+        with s:
+            h = s.input(x.astype(x_dtype))
+            for got, want in ((h + w, tx + tp), (h * w, tx * tp)):
+                assert str(got.dtype) == str(want.dtype).removeprefix("torch.")
+                np.testing.assert_array_equal(np.asarray(got.value), want.numpy())

@@ -240,8 +240,8 @@ def promote(operands: tuple[Operand, ...]) -> tuple[Operand, ...]:
         a, b = operands
         ta, tb = type(a), type(b)
         if ta is Tensor:
-            if tb is Tensor and a.dtype is b.dtype:  # type: ignore[union-attr]
-                return operands
+            if (tb is Tensor or isinstance(b, TensorOps)) and a.dtype is b.dtype:  # type: ignore[union-attr]
+                return operands  # (a Param of the handle's dtype too)
             if tb is float or tb is int:
                 k = _KIND.get(a.dtype)  # type: ignore[union-attr]
                 if k == 2 or (k == 1 and tb is int):
