@@ -210,9 +210,9 @@ def jax_loss(p: dict[str, Any], ids: Any, targets: Any) -> Any:
     hd = d // heads
 
     def ln(x: Any, q: dict[str, Any]) -> Any:
-        mu = jnp.mean(x, -1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * q["weight"] + q["bias"]
+        # JAX's own standardization (Flax's LayerNorm computes the same): written out as mean, then the mean
+        # square of x - mean, the gradient of 16 blocks took XLA:CPU 3 minutes to compile and ran 2-4x slower
+        return jax.nn.standardize(x, axis=-1, epsilon=1e-5) * q["weight"] + q["bias"]
 
     def lin(x: Any, q: dict[str, Any]) -> Any:
         return x @ q["weight"].T + q["bias"]
