@@ -820,7 +820,21 @@ def depth_table(runs: Sequence[Run]) -> str | None:
     return "\n\n".join(parts) or None
 
 
-MACHINE_KEYS = ["processor", "cpu_count", "machine", "platform", "device", "xla_flags", "cpu_dispatch", *VERSION_KEYS]
+# the libraries a script compares with, listed only where it imported them: one column of the machine table
+# (a column each is wider than the page once a few runs differ)
+PEERS = ("torch", "flax", "equinox")
+PEER_KEY = "peer libraries"
+MACHINE_KEYS = [
+    "processor",
+    "cpu_count",
+    "machine",
+    "platform",
+    "device",
+    "xla_flags",
+    "cpu_dispatch",
+    *(k for k in VERSION_KEYS if k not in PEERS),
+    PEER_KEY,
+]
 LONG_CELL = 24  # characters: a longer value that differs between runs is a numbered note under the table
 
 
@@ -829,6 +843,8 @@ def _machine_value(run: Run, key: str) -> str:
         return fmt_date(run.date)
     if key == "quick run":
         return "yes" if run.quick else "no"
+    if key == PEER_KEY:
+        return ", ".join(f"{k} {run.machine[k]}" for k in PEERS if run.machine.get(k))
     v = run.machine.get(key)
     if key == "xla_flags":
         return f"`{v}`" if v else "(none)"
@@ -842,7 +858,7 @@ def machine_table(runs: Sequence[Run]) -> str:
     flags) are numbered notes under the table, so no cell is wider than the page.
     """
     runs = sorted(runs, key=lambda r: (r.benchmark, str(r.path)))
-    keys = ["date", "quick run", *(k for k in MACHINE_KEYS if any(r.machine.get(k) not in (None, "") for r in runs))]
+    keys = ["date", "quick run", *(k for k in MACHINE_KEYS if any(_machine_value(r, k) for r in runs))]
     values = {k: [_machine_value(r, k) for r in runs] for k in keys}
     same = [k for k in keys if len(set(values[k])) == 1]
     differ = [k for k in keys if k not in same]
