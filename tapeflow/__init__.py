@@ -12,6 +12,7 @@ import sys as _sys
 from . import nn  # noqa: F401
 from ._core import _compile_cache, _compile_log
 from ._core._backward import backward, backward_graph
+from ._core._blocks import set_block_loops
 from ._core._compile_cache import cache_dir, set_cache_dir
 from ._core._compile_log import CompileLog, CompileRecord, RecompileWarning, compile_log, set_recompile_warning
 from ._core._jvp import jvp
@@ -292,6 +293,7 @@ __all__ = [
     "save",
     "scaled_dot_product_attention",
     "scatter_add",
+    "set_block_loops",
     "set_cache_dir",
     "set_kernel_cache_size",
     "set_recompile_warning",

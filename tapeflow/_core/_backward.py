@@ -39,10 +39,14 @@ __all__ = [
     "add_cotangents",
     "backward",
     "backward_graph",
+    "first_cotangents",
     "node_cotangents",
+    "pull_mask",
     "root_and_seed",
     "run_hooks",
     "sweep",
+    "sweep_range",
+    "wanted",
     "zeros_like_spec",
 ]
 
@@ -132,7 +136,7 @@ def root_and_seed(tape: Tape, root: object, seed: ArrayLike | None) -> tuple[int
     return root, seed
 
 
-def _wanted(tape: Tape, wrt: Iterable[NodeId] | None) -> set[int] | None:
+def wanted(tape: Tape, wrt: Iterable[NodeId] | None) -> set[int] | None:
     if wrt is None:
         return None
     n, want = len(tape), set()
@@ -159,10 +163,36 @@ def sweep(
     replace it. Interior cotangents are dropped once the sweep has passed them.
     """
     result: dict[NodeId, C] = {}
-    cot: dict[NodeId, C] = {root: seed} if nodes[root].requires_grad or (want and root in want) else {}
-    for i in range(root, -1, -1):
+    cot = first_cotangents(nodes, root, seed, want)
+    sweep_range(nodes, root, 0, cot, result, want, pull, add, hooks)
+    return result
+
+
+def first_cotangents(nodes: Sequence[Node], root: int, seed: C, want: set[int] | None) -> dict[NodeId, C]:
+    """The cotangents a sweep from ``root`` starts with: the seed, unless nothing asks for the root's."""
+    return {root: seed} if nodes[root].requires_grad or (want and root in want) else {}
+
+
+def sweep_range(
+    nodes: Sequence[Node],
+    hi: int,
+    lo: int,
+    cot: dict[NodeId, C],
+    result: dict[NodeId, C],
+    want: set[int] | None,
+    pull: Callable[[int, Node, C, tuple[bool, ...]], Sequence[C]],
+    add: Callable[[C, C], C],
+    hooks: Mapping[NodeId, Sequence[Hook[C]]] | None,
+) -> None:
+    """Nodes ``hi`` down to ``lo`` of :func:`sweep`: pops their cotangents from ``cot``, adds their parents'.
+
+    A requested node's complete cotangent goes to ``result``. A caller that
+    sweeps some stretches of the tape another way (a loop over repeated blocks:
+    :mod:`tapeflow._core._blocks`) calls this for the stretches between them.
+    """
+    for i in range(hi, lo - 1, -1):
         if not cot:
-            break
+            return
         g = cot.pop(i, None)
         if g is None:
             continue
@@ -182,16 +212,9 @@ def sweep(
         if nd.op is None or not nd.requires_grad:
             continue
         parents = nd.parents
-        mask = tuple(nodes[p].requires_grad for p in parents)
+        mask = pull_mask(nodes, i)
         if not any(mask):
             continue
-        d = nd.opdef  # the definition the node was recorded with, never the name's current one
-        if d is None:
-            raise TapeError(
-                f"backward: node #{i} records op {nd.op!r}, which is not registered; record it with a registered op"
-            )
-        if d.nondiff:
-            mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
         cts = pull(i, nd, g, mask)
         k = 0
         for p, m in zip(parents, mask):
@@ -201,7 +224,22 @@ def sweep(
             k += 1
             prev = cot.get(p)
             cot[p] = ct if prev is None else add(prev, ct)
-    return result
+
+
+def pull_mask(nodes: Sequence[Node], i: int) -> tuple[bool, ...]:
+    """Which operands of op node ``i`` get a cotangent: those that require grad, less its op's ``nondiff`` ones."""
+    nd = nodes[i]
+    mask = tuple(nodes[p].requires_grad for p in nd.parents)
+    if not any(mask):
+        return mask
+    d = nd.opdef  # the definition the node was recorded with, never the name's current one
+    if d is None:
+        raise TapeError(
+            f"backward: node #{i} records op {nd.op!r}, which is not registered; record it with a registered op"
+        )
+    if d.nondiff:
+        mask = tuple(m and j not in d.nondiff for j, m in enumerate(mask))
+    return mask
 
 
 def node_cotangents(
@@ -248,7 +286,7 @@ def backward(
     6.0
     """
     root, seed_v = root_and_seed(tape, root, seed)
-    want = _wanted(tape, wrt)
+    want = wanted(tape, wrt)
     nodes = list(tape.nodes)  # a list: the sweep reads each node several times
 
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
@@ -335,7 +373,7 @@ def backward_graph(
     ``tape`` passed in is a value and was not changed.
     """
     root, seed_v = root_and_seed(tape, root, seed)
-    want = _wanted(tape, wrt)
+    want = wanted(tape, wrt)
     t, seed_id = leaf(tape, seed_v)
     nodes = list(tape.nodes)  # the original tape's, as a list: the sweep reads each node several times, none it records
 

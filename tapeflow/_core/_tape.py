@@ -25,7 +25,7 @@ value sharing that node sees it; nothing else about a node ever changes.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import TypeAlias, TypeVar
 
@@ -58,6 +58,7 @@ __all__ = [
     "kernel_failed",
     "leaf",
     "node_id",
+    "node_kernel",
     "place",
     "record",
     "with_values",
@@ -285,14 +286,29 @@ def computed_values(nodes: Sequence[Node], pending: Container[int], given: Itera
     it = iter(given)
     for i, nd in enumerate(nodes):
         if i in pending:
-            assert nd.opdef is not None
-            entry = R.get_fwd(nd.opdef, nd.attrs, tuple([nodes[p].spec for p in nd.parents]))  # its own definition
-            if isinstance(entry, str):
-                raise TapeError(f"{where}: cannot compute node #{i}: {nd.op}: {entry}")
-            values.append(entry.fn(*[values[p] for p in nd.parents]))
+            values.append(node_kernel(nodes, i, where)(*[values[p] for p in nd.parents]))
         else:
             values.append(next(it))
     return values
+
+
+def node_kernel(nodes: Sequence[Node], i: int, where: str) -> Callable[..., Array]:
+    """The compiled forward of op node ``i`` (its own ``opdef``'s, for its parents' specs), taking their values.
+
+    A node that can no longer be computed raises :class:`TapeError` naming ``where``.
+
+    >>> import jax.numpy as jnp
+    >>> t, x = leaf(Tape.empty(), jnp.ones(2))
+    >>> t, y = record(t, "exp", (x,))
+    >>> node_kernel(list(t.nodes), 1, "doc")(jnp.zeros(2)).tolist()
+    [1.0, 1.0]
+    """
+    nd = nodes[i]
+    assert nd.opdef is not None
+    entry = R.get_fwd(nd.opdef, nd.attrs, tuple([nodes[p].spec for p in nd.parents]))  # its own definition
+    if isinstance(entry, str):
+        raise TapeError(f"{where}: cannot compute node #{i}: {nd.op}: {entry}")
+    return entry.fn
 
 
 def with_values(tape: Tape, values: Sequence[Array | None]) -> Tape:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import operator
-import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -49,12 +48,11 @@ from typing import NamedTuple, Protocol, TypeAlias, TypeVar, cast
 import jax
 import jax.numpy as jnp
 
-from .._core import _compile_log
+from .._core import _blocks, _compile_log, _env
 from .._core import _registry as R
-from .._core._backward import backward as tape_backward
 from .._core._compile_log import SigEntry
 from .._core._kernels import KernelCache
-from .._core._tape import PENDING, Tape, computed_values, fill_pending, with_values
+from .._core._tape import PENDING, Tape, fill_pending, with_values
 from .._core._tiered import maybe_tiered
 from .._core._typing import Array, Attrs, NodeId, OptState
 from ._grads import ParameterGroup, ParameterRecord
@@ -73,8 +71,6 @@ __all__ = [
     "weak",
 ]
 
-_FALSE, _TRUE = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
-
 
 def lazy_default(flag: bool | None) -> bool:
     """``flag``, or (None) what the environment variable ``TAPEFLOW_LAZY`` says: lazy unless it is ``0``.
@@ -88,15 +84,7 @@ def lazy_default(flag: bool | None) -> bool:
     """
     if flag is not None:
         return bool(flag)
-    text = os.environ.get("TAPEFLOW_LAZY", "").strip().lower()
-    if text in _FALSE:
-        return False
-    if text in ("", *_TRUE):
-        return True
-    raise ValueError(
-        f"TAPEFLOW_LAZY={os.environ['TAPEFLOW_LAZY']!r} is not a switch: set it to 0 for sessions that run each op "
-        "at once (debugging), to 1 or nothing for lazy sessions (the default)"
-    )
+    return _env.switch("TAPEFLOW_LAZY", True)
 
 
 _PROGRAMS = KernelCache("lazy", opaque=True)  # compiled programs, keyed by (kind, structure, pending nodes, ...)
@@ -351,9 +339,15 @@ def _given_offsets(pending: tuple[NodeId, ...], slots: tuple[tuple[NodeId, ...] 
 _last_offsets: tuple[tuple[NodeId, ...], tuple[tuple[NodeId, ...] | None, ...], tuple[int, ...]] | None = None
 
 
-def _replay(tape: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> Tape:
-    """Inside a trace: a tape like ``tape`` whose pending nodes are computed from ``given`` (the other values)."""
-    return with_values(tape, computed_values(list(tape.nodes), pending, given, "lazy session"))
+def _replay(skel: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> _blocks.Forward:
+    """Inside a trace: every node's value of ``skel``, the pending ones computed from ``given`` (the others').
+
+    A stretch that repeats one block of ops runs as a loop (:mod:`tapeflow._core._blocks`) unless
+    :func:`~tapeflow.set_block_loops` turned that off.
+    """
+    nodes = list(skel.nodes)
+    runs = _blocks.find_runs(nodes, pending) if _blocks.block_loops_enabled() else ()
+    return _blocks.Forward(nodes, pending, given, runs, "lazy session")
 
 
 def _skeleton(tape: Tape) -> Tape:
@@ -412,6 +406,8 @@ class ProgramKey:
 
 
 def _program(key: Hashable, build: Callable[[], F], static_argnums: tuple[int, ...] = ()) -> F:
+    if not _blocks.block_loops_enabled():
+        key = ("unrolled", key)  # a program traced with block loops off is another program
     fn = _PROGRAMS.hit(key)
     if fn is None:
         fn = cast(F, maybe_tiered(build(), static_argnums))  # tiered compilation, when it is on
@@ -436,7 +432,7 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
         def lazy_forward_program(given: list[Array]) -> list[Array]:
             _log_trace("lazy_forward_program", "lazy forward program", skel, pending)
             replayed = _replay(skel, pend, given)
-            return [replayed[i].value for i in pending]
+            return [replayed[i] for i in pending]
 
         return jax.jit(lazy_forward_program)
 
@@ -448,8 +444,8 @@ def _gradients(
     skel: Tape, pend: frozenset[NodeId], given: list[Array], seed: Array | None, root: NodeId, ids: tuple[NodeId, ...]
 ) -> tuple[dict[NodeId, Array], Array]:
     """Inside a trace: the pending forward, then the reverse sweep; ``({id: cotangent}, root value)``."""
-    t = _replay(skel, pend, given)
-    return tape_backward(t, root, seed=seed, wrt=ids), t[root].value
+    values = _replay(skel, pend, given)
+    return _blocks.backward(skel, values, root, seed, ids), values[root]
 
 
 class Deferred(Protocol):
