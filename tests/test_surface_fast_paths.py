@@ -195,3 +195,15 @@ def test_a_handle_and_a_param_promote_as_pytorch(x_dtype, p_dtype):
             for got, want in ((h + w, tx + tp), (h * w, tx * tp)):
                 assert str(got.dtype) == str(want.dtype).removeprefix("torch.")
                 np.testing.assert_array_equal(np.asarray(got.value), want.numpy())
+
+
+def test_cross_entropy_remembers_a_bounded_number_of_specs(monkeypatch):
+    """A loop over ever new batch sizes does not grow the remembered specs without bound; each call still gives
+    PyTorch's loss."""
+    monkeypatch.setattr(_torch_functional, "_REMEMBERED", 2)
+    _torch_functional._PLAIN_CLASS_TARGETS.clear()
+    with tfl.Session(lazy=True) as s:
+        for n in (1, 2, 3, 4, 2):
+            got = float(tfl.cross_entropy(s.input(X[:n]), s.input(Y[:n])))
+            assert len(_torch_functional._PLAIN_CLASS_TARGETS) <= 2
+            np.testing.assert_allclose(got, _torch_ce(X[:n], Y[:n]), rtol=1e-6)

@@ -1539,6 +1539,7 @@ _REDUCTIONS = frozenset(("mean", "sum", "none"))
 # targets and record the op as they are (no permute): a later call with these specs and plain arguments (a str
 # reduction, an int ignore_index, a float label_smoothing in [0, 1]) records the op at once, as those checks would
 _PLAIN_CLASS_TARGETS: set[tuple[Shape, np.dtype, Shape, np.dtype]] = set()
+_REMEMBERED = 1024  # at most this many specs (a few per model as a rule)
 
 
 @torch_entry(bind=("tfl", "F"), records="op:cross_entropy", opinfo=("nn.functional.cross_entropy",))
@@ -1603,6 +1604,8 @@ def cross_entropy(
     _class_target_check(op, input, target, weight)
     if weight is None:
         if len(xs) <= 2 and type(input) is Tensor and type(target) is Tensor:
+            if len(_PLAIN_CLASS_TARGETS) >= _REMEMBERED:  # a loop over ever new batch sizes: start again
+                _PLAIN_CLASS_TARGETS.clear()
             _PLAIN_CLASS_TARGETS.add((input.shape, input.dtype, target.shape, target.dtype))
         x = input
         if len(xs) > 2:  # the op wants classes last
