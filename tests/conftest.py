@@ -156,7 +156,7 @@ LONG_FILES = {
     "test_fuzz_session.py": 80,  # one test: the stateful fuzzer (two to three times slower late in a run)
     "test_lint.py": 70,  # three tests: ruff, and mypy from a cold cache
     "test_remat.py": 40,  # its many gc.collect() calls (small_gc_heap_for_module)
-    "test_docs_layout.py": 30,  # one mkdocs build
+    "test_docs_layout.py": 50,  # every page in a browser (the mkdocs build is shared with test_docs.py)
 }
 
 
