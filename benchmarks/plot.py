@@ -836,6 +836,7 @@ MACHINE_KEYS = [
     PEER_KEY,
 ]
 LONG_CELL = 24  # characters: a longer value that differs between runs is a numbered note under the table
+SHORT_HEADER = {"quick run": "quick", "cpu_dispatch": "dispatch", PEER_KEY: "peers"}  # the table fits the page
 
 
 def _machine_value(run: Run, key: str) -> str:
@@ -876,7 +877,7 @@ def machine_table(runs: Sequence[Run]) -> str:
         parts.append("All runs: " + "; ".join(f"{k} {values[k][0] or '(none)'}" for k in same) + ".")
     if differ:
         rows = [[r.benchmark, *(cell(values[k][i]) for k in differ)] for i, r in enumerate(runs)]
-        parts.append(table(["run", *differ], rows))
+        parts.append(table(["run", *(SHORT_HEADER.get(k, k) for k in differ)], rows))
     if notes:
         parts.append("\n".join(f"- ({i + 1}) {v}" for i, v in enumerate(notes)))
     return "\n\n".join(parts)
