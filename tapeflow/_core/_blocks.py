@@ -1,24 +1,23 @@
-"""Repeated blocks compiled once: a stretch of a recording that repeats one block of ops runs as a loop.
+"""Repeated blocks traced once: a stretch of a recording that repeats one block of ops runs block by block.
 
 A transformer's blocks, a ResNet stage's blocks, an unrolled recurrence: the
 recording holds the same ops, attributes, shapes and wiring once per block,
-only over other Params. Compiled unrolled, XLA optimizes every copy again, so
-a program's compile time grows with the model's depth. :func:`find_runs` finds
-such a *run* of ``blocks`` blocks of ``length`` nodes in a recording;
-:class:`Forward` computes it with one :func:`jax.lax.scan` whose body is one
-block (its leaves, the per-use Param snapshots, stacked along a new first axis)
-and :func:`backward` sweeps it back with one reverse scan whose body is the
-block's reverse sweep, each node differentiated by its own op's VJP exactly as
+only over other Params. Traced unrolled, every copy is traced and lowered
+again. :func:`find_runs` finds such a *run* of ``blocks`` blocks of ``length``
+nodes in a recording; :class:`Forward` computes it by one traced function of
+the block (``jax.jit`` of it, traced once), called once per block, and
+:func:`backward` sweeps it back by one traced function of the block's reverse
+sweep, each node differentiated by its own op's VJP exactly as
 :func:`tapeflow._core._backward.backward` does unrolled. The model's code is
 not touched; nothing of it is restructured.
 
 A block ``k`` reads three kinds of values: its own nodes, the nodes of block
 ``k - 1`` (the *carries*: block 0 reads the nodes before the run that play
 their part) and nodes before the run that every block reads (*shared*: a
-mask, a position table). A recording is looped only where every block is
-wired the same way, so the loop computes what the unrolled program computes,
-op for op; XLA compiles the loop body on its own, so the last bits of a float
-can differ from the unrolled program's where it fuses differently.
+mask, a position table). A recording is run block by block only where every
+block is wired the same way, so the calls compute what the unrolled program
+computes, op for op; XLA inlines them before it optimizes, so the program is
+the unrolled one bit for bit, and XLA's own compile is as long as before.
 
 Lazy sessions' programs use it (:mod:`tapeflow._shell._lazy`) unless
 :func:`set_block_loops` turned it off (or ``TAPEFLOW_BLOCK_LOOPS=0``).
@@ -47,7 +46,16 @@ import numpy as np
 
 from . import _env
 from . import _registry as R
-from ._backward import add_cotangents, first_cotangents, pull_mask, root_and_seed, sweep_range, wanted, zeros_like_spec
+from ._backward import (
+    add_cotangents,
+    first_cotangents,
+    node_cotangents,
+    pull_mask,
+    root_and_seed,
+    sweep_range,
+    wanted,
+    zeros_like_spec,
+)
 from ._node import Node
 from ._tape import Tape, node_kernel
 from ._typing import Array, ArrayLike, NodeId
@@ -63,8 +71,8 @@ __all__ = [
 ]
 
 MIN_BLOCK_OPS = 8
-"""The fewest ops a block must have to be looped: a loop's per-iteration cost is worth it for a transformer or a
-ResNet block, not for a stack of two-op layers (a small MLP), whose unrolled program compiles fast anyway."""
+"""The fewest ops a block must have to be run as one function: a transformer or a ResNet block, not a stack of
+two-op layers (a small MLP), whose unrolled program traces fast anyway."""
 
 _MAX_VERIFIED = 64  # candidate runs checked for their wiring per recording (the best ones first)
 _MAX_SHIFTS = 64  # where a block may start within a candidate's first period
@@ -76,11 +84,12 @@ _enabled = _env.switch("TAPEFLOW_BLOCK_LOOPS", True)
 
 
 def set_block_loops(enabled: bool) -> bool:
-    """Loop repeated blocks in programs compiled from now on (on by default); returns the previous setting.
+    """Trace repeated blocks once in programs built from now on (on by default); returns the previous setting.
 
-    With it on, a lazy session's program runs a stretch of the recording that
-    repeats one block of ops over other Params (a transformer's blocks) as one
-    loop, so it compiles once whatever the depth; off, the program is unrolled.
+    With it on, a lazy session's program computes a stretch of the recording
+    that repeats one block of ops over other Params (a transformer's blocks) by
+    one traced function of the block, called per block, forward and backward;
+    off, every block is traced again. The results are the same bit for bit.
     ``TAPEFLOW_BLOCK_LOOPS=0`` starts a process with it off.
 
     >>> import tapeflow as tfl
@@ -96,7 +105,7 @@ def set_block_loops(enabled: bool) -> bool:
 
 
 def block_loops_enabled() -> bool:
-    """Whether programs compiled now loop repeated blocks (:func:`set_block_loops`)."""
+    """Whether programs built now trace repeated blocks once (:func:`set_block_loops`)."""
     return _enabled
 
 
@@ -132,7 +141,7 @@ def _link(b: int, length: int, k: int, p: int) -> tuple[int, int] | None:
         return (CARRY, p - base + length)
     if p < b:
         return (SHARED, p)
-    return None  # a node two or more blocks back: not a loop
+    return None  # a node two or more blocks back: not a run
 
 
 def _wiring(nodes: Sequence[Node], b: int, length: int, kmax: int, pending: Container[int]) -> Run | None:
@@ -180,7 +189,7 @@ def _wiring(nodes: Sequence[Node], b: int, length: int, kmax: int, pending: Cont
 
 
 def find_runs(nodes: Sequence[Node], pending: Container[int], min_ops: int = MIN_BLOCK_OPS) -> tuple[Run, ...]:
-    """The runs of repeated blocks in ``nodes`` worth a loop, in node order, none overlapping.
+    """The runs of repeated blocks in ``nodes`` worth tracing once, in node order, none overlapping.
 
     A block is a stretch of nodes whose ops, attributes, specs,
     ``requires_grad`` and pending state repeat at a fixed period, wired alike in
@@ -223,7 +232,7 @@ def find_runs(nodes: Sequence[Node], pending: Container[int], min_ops: int = MIN
             r = _wiring(nodes, b, length, k, pending)
             if r is not None and (best is None or r.blocks > best.blocks):
                 best = r
-        if best is not None and all(best.stop <= o.start or o.stop <= best.start for o in runs):
+        if best is not None:  # inside s .. end, which no run taken overlaps
             runs.append(best)
     return tuple(sorted(runs))
 
@@ -262,9 +271,6 @@ class Forward:
     def __getitem__(self, i: int) -> Array:
         return self.values[i]
 
-    def __len__(self) -> int:
-        return len(self.values)
-
     def shared(self, run: Run) -> dict[int, Array]:
         """The values of the nodes before ``run`` that every block reads."""
         return {r: self.values[r] for ls in run.links for kind, r in ls if kind == SHARED}
@@ -281,10 +287,7 @@ class Forward:
             it = iter(xs)
             for j in range(L):
                 if j in fns:
-                    args = [
-                        local[r] if kind == IN else prev[r] if kind == CARRY else outside[r] for kind, r in links[j]
-                    ]
-                    local.append(fns[j](*args))
+                    local.append(fns[j](*_operands(links[j], local, prev, outside)))
                 else:
                     local.append(next(it))
             return tuple(local)
@@ -320,9 +323,7 @@ def backward(
     nodes = values.nodes
 
     def pull(i: int, nd: Node, g: Array, mask: tuple[bool, ...]) -> Sequence[Array]:
-        specs = tuple([nodes[p].spec for p in nd.parents])
-        assert nd.opdef is not None
-        return R.get_vjp(nd.opdef, nd.attrs, specs, mask)(g, values[i], *[values[p] for p in nd.parents])
+        return node_cotangents(nodes, values.values, i, g, mask)
 
     result: dict[NodeId, Array] = {}
     cot = first_cotangents(nodes, root, seed_v, want)
@@ -369,7 +370,7 @@ def _reverse_loop(
         prev, outside = dict(zip(carries, prev_vals)), dict(zip(names, ext))
         local: dict[int, Array] = dict(zip(came, inc))
         for r, g in zip(carries, after):
-            local[r] = g if r not in local else add_cotangents(local[r], g)
+            _add_into(local, r, g)
         back: dict[int, Array] = {}
         acc: dict[int, Array] = {}
         got: dict[int, Array] = {}
@@ -382,14 +383,11 @@ def _reverse_loop(
             fn = vjps.get(j)
             if fn is None:
                 continue
-            args = [vals[r] if kind == IN else prev[r] if kind == CARRY else outside[r] for kind, r in links[j]]
-            cts = iter(fn(g, vals[j], *args))
+            cts = iter(fn(g, vals[j], *_operands(links[j], vals, prev, outside)))
             for (kind, r), m in zip(links[j], masks[j]):
                 if not m:
                     continue
-                ct = next(cts)
-                into = local if kind == IN else back if kind == CARRY else acc
-                into[r] = ct if r not in into else add_cotangents(into[r], ct)
+                _add_into(local if kind == IN else back if kind == CARRY else acc, r, next(cts))
         return (
             tuple(back[r] if r in back else _zeros(block[r]) for r in carries),
             tuple(acc[r] if r in acc else _zeros(nodes[r]) for r in summed),
@@ -405,15 +403,30 @@ def _reverse_loop(
         inc = tuple(_pop_or_zeros(cot, base + j, block[j]) for j in came)
         after, parts, got = call(after, inc, tuple(values.values[base : base + L]), ins[k], ext)
         for r, g in zip(summed, parts):  # consumers after the run, then the later blocks, added first
-            prev = cot.get(r)
-            cot[r] = g if prev is None else add_cotangents(prev, g)
+            _add_into(cot, r, g)
         for j, g in zip(leaves, got):
             if base + j in want:
                 result[base + j] = g
     for p, g in zip(run.init, after):
         if nodes[p].requires_grad:
-            prev = cot.get(p)
-            cot[p] = g if prev is None else add_cotangents(prev, g)
+            _add_into(cot, p, g)
+
+
+def _operands(
+    wires: tuple[tuple[int, int], ...],
+    own: Sequence[Array],
+    prev: dict[int, Array],
+    outside: dict[int, Array],
+) -> list[Array]:
+    """What a block's node reads, by its ``wires``: its block's ``own`` nodes, the carries of the block before
+    (``prev``) and the nodes before the run (``outside``)."""
+    return [own[r] if kind == IN else prev[r] if kind == CARRY else outside[r] for kind, r in wires]
+
+
+def _add_into(cot: dict[int, Array], i: int, g: Array) -> None:
+    """Add the cotangent ``g`` to ``cot[i]`` (the first one is kept as it is), with the sweep's one addition."""
+    prev = cot.get(i)
+    cot[i] = g if prev is None else add_cotangents(prev, g)
 
 
 def _zeros(nd: Node) -> Array:
