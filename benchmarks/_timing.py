@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -14,10 +15,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
 import numpy as np
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as the module ``name``, loaded once per process (the examples folder is not a package)."""
+    got = sys.modules.get(name)
+    if got is not None:
+        return got
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def pin_to_one_core() -> int | None:

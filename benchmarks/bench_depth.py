@@ -68,7 +68,7 @@ os.environ.setdefault("TAPEFLOW_BENCH_DISPATCH", "async")  # JAX's default, as i
 if hasattr(os, "sched_setaffinity"):  # one core before jax (imported by _timing) starts its threads
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
-from _timing import Results, add_json_arg, fmt, pin_to_one_core, take_turns, verdict
+from _timing import Results, add_json_arg, fmt, load_example, pin_to_one_core, take_turns, verdict
 
 # each variant is what its name says: the library defaults, or the switch the variant names
 _CLEARED = {k: os.environ.pop(k) for k in ("TAPEFLOW_LAZY", "TAPEFLOW_BLOCK_LOOPS") if k in os.environ}
@@ -102,18 +102,6 @@ def _data(seed: int = 0) -> tuple[Any, Any]:
     return r.integers(0, CFG["vocab"], shape).astype(np.int32), r.integers(0, CFG["vocab"], shape).astype(np.int32)
 
 
-def _char_lm() -> Any:
-    """``examples/char_lm.py`` as a module (the examples folder is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("char_lm", REPO / "examples" / "char_lm.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # --------------------------------------------------------------------------- the model, three ways
 
 
@@ -124,7 +112,9 @@ def tapeflow_model(depth: int) -> tuple[Any, Any, Callable[..., Any]]:
 
     import tapeflow as tfl
 
-    lm = _char_lm().CharLM(CFG["vocab"], CFG["context"], CFG["dim"], CFG["heads"], depth, key=jax.random.key(0))
+    lm = load_example("char_lm").CharLM(
+        CFG["vocab"], CFG["context"], CFG["dim"], CFG["heads"], depth, key=jax.random.key(0)
+    )
     opt = tfl.Optimizer(optax.adam(LR), dict(lm.parameter_records()))  # the tied head included: one slot
 
     def loss_fn(s: Any, x: Any, y: Any) -> Any:
@@ -451,7 +441,7 @@ def child(variant: str, depth: int) -> dict[str, Any]:
     if variant != "hand_jit":
         import tapeflow as tfl  # imported before the clock starts, as jax is
 
-        _char_lm()
+        load_example("char_lm")
     imports_s = time.perf_counter() - t
     t = time.perf_counter()
     jax.devices()

@@ -71,7 +71,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 if hasattr(os, "sched_setaffinity"):  # one core before jax (imported by _timing) starts its threads
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
-from _timing import Results, add_json_arg, fmt, pin_to_one_core, verdict
+from _timing import Results, add_json_arg, fmt, load_example, pin_to_one_core, verdict
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -147,16 +147,6 @@ def _data(model: str, rows: int, seed: int) -> tuple[Any, Any]:
     return r.integers(0, LM["vocab"], shape).astype(np.int32), r.integers(0, LM["vocab"], shape).astype(np.int32)
 
 
-def _load_char_lm() -> Any:
-    """``examples/char_lm.py`` as a module (the examples folder is not a package)."""
-    spec = importlib.util.spec_from_file_location("char_lm", REPO / "examples" / "char_lm.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _tapeflow_builder(variant: str, model: str) -> Callable[[], Callable[[Any, Any], float]]:
     """Imports tapeflow (and char_lm); returns the timed part: build the model, the optimizer and the step."""
     import jax
@@ -164,7 +154,7 @@ def _tapeflow_builder(variant: str, model: str) -> Callable[[], Callable[[Any, A
 
     import tapeflow as tfl
 
-    char_lm = _load_char_lm() if model == "gpt" else None
+    char_lm = load_example("char_lm") if model == "gpt" else None
 
     def build() -> Callable[[Any, Any], float]:
         if model == "mlp":
