@@ -300,3 +300,87 @@ class TestSwitch:
         monkeypatch.setenv("TAPEFLOW_BLOCK_LOOPS", "sometimes")
         with pytest.raises(ValueError, match=r"TAPEFLOW_BLOCK_LOOPS='sometimes' is not a switch: set it to 0 / false"):
             switch("TAPEFLOW_BLOCK_LOOPS", True)
+
+
+def _loss_fn(model: Stack):
+    def loss_fn(s: tfl.Session, x: np.ndarray, y: np.ndarray) -> tfl.Tensor:
+        return tfl.mean((model(s.input(x)) - s.input(y)) ** 2)
+
+    return loss_fn
+
+
+def _train_step(loop: bool, tx: optax.GradientTransformation, steps: int = 2) -> tuple[list[float], list[np.ndarray]]:
+    """``train_step``'s training with block loops on or off when it is traced."""
+    before = tfl.set_block_loops(loop)
+    try:
+        model = Stack(2, jax.random.key(1))
+        step = tfl.train_step(_loss_fn(model), tfl.Optimizer(tx, model))
+        losses = [float(step(*_batch(k))) for k in range(steps)]
+        return losses, [np.asarray(p.value) for p in model.parameters()]
+    finally:
+        tfl.set_block_loops(before)
+
+
+class TestTracedSessions:
+    """``train_step`` and ``value_and_grad`` compute each op as they record it (on tracers); their reverse
+    sweep of a repeated block is traced once."""
+
+    def test_train_step_equals_its_unrolled_program_bit_for_bit_and_the_lazy_loop(self):
+        loop_losses, loop_params = _train_step(True, optax.adam(1e-2))
+        flat_losses, flat_params = _train_step(False, optax.adam(1e-2))
+        assert loop_losses == flat_losses
+        for a, b in zip(loop_params, flat_params):
+            np.testing.assert_array_equal(a, b)
+        sgd_losses, sgd_params = _train_step(True, optax.sgd(0.1))
+        lazy_losses, lazy_params = _train(loop=True, lazy=True, tx=optax.sgd(0.1))
+        np.testing.assert_allclose(sgd_losses, lazy_losses, rtol=1e-5)
+        for a, b in zip(sgd_params, lazy_params):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def test_value_and_grads_reverse_sweep_calls_one_function_per_block(self):
+        def block_calls(layers: int, loop: bool) -> tuple[int, list[np.ndarray]]:
+            model = Stack(layers, jax.random.key(3))
+            params = model.param_dict()
+            f = tfl.value_and_grad(_loss_fn(model))
+            x, y = _batch(4)
+            before = tfl.set_block_loops(loop)
+            try:
+                traced = jax.jit(f).trace(params, x, y)
+            finally:
+                tfl.set_block_loops(before)
+            _, grads = traced.lower().compile()(params, x, y)
+            eqns = traced.jaxpr.jaxpr.eqns
+            calls = [e for e in eqns if e.primitive.name in ("pjit", "jit") and e.params["name"] == "step"]
+            return len(calls), [np.asarray(g) for g in jax.tree_util.tree_leaves(grads)]
+
+        for layers in (2, 3):
+            n_loop, g_loop = block_calls(layers, True)
+            n_flat, g_flat = block_calls(layers, False)
+            assert (n_loop, n_flat) == (layers, 0)
+            for a, b in zip(g_loop, g_flat):
+                np.testing.assert_array_equal(a, b)
+
+    @pytest.mark.usefixtures("loops")
+    def test_value_and_grad_with_an_input_every_block_reads_equals_an_op_by_op_session(self):
+        """Cotangents of a shared Param that every block reads are summed over the blocks, as unrolled."""
+        model = Stack(3, jax.random.key(8))
+        memory = tfl.Param(jnp.linspace(-1.0, 1.0, DIM, dtype=jnp.float32), name="memory")
+        x, y = _batch(9)
+
+        def loss_fn(s: tfl.Session, x: np.ndarray, y: np.ndarray) -> tfl.Tensor:
+            m = s.use(memory)
+            h = model.proj(s.input(x))
+            for b in model.blocks:
+                h = b(h * m)
+            return tfl.mean((model.head(h) - s.input(y)) ** 2)
+
+        params = {"memory": memory, **model.param_dict()}
+        traced = jax.jit(tfl.value_and_grad(loss_fn)).trace(params, x, y)
+        assert "name=step" in str(traced.jaxpr)  # the case under test is a loop
+        loss, grads = traced.lower().compile()(params, x, y)
+        with tfl.Session(lazy=False) as s:
+            want_loss = loss_fn(s, x, y)
+            want = s.backward(want_loss)
+            np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+            for k, p in params.items():
+                np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[p]), rtol=2e-5, atol=1e-6, err_msg=k)

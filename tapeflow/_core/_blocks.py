@@ -56,6 +56,7 @@ from ._backward import (
     wanted,
     zeros_like_spec,
 )
+from ._backward import backward as tape_backward
 from ._node import Node
 from ._tape import Tape, node_kernel
 from ._typing import Array, ArrayLike, NodeId
@@ -66,6 +67,7 @@ __all__ = [
     "Run",
     "backward",
     "block_loops_enabled",
+    "computed_backward",
     "find_runs",
     "set_block_loops",
 ]
@@ -251,7 +253,6 @@ class Forward:
     ) -> None:
         self.nodes, self.runs, self.where = nodes, tuple(runs), where
         self.values: list[Array] = []
-        self.carry_in: dict[int, list[tuple[Array, ...]]] = {}  # per run's start: per block, the carries it read
         starts = {r.start: r for r in self.runs}
         it = iter(given)
         values = self.values
@@ -268,8 +269,23 @@ class Forward:
                 values.append(next(it))
             i += 1
 
+    @classmethod
+    def computed(cls, nodes: Sequence[Node], runs: Sequence[Run]) -> Forward:
+        """The values ``nodes`` already hold (a traced session computed each op as it recorded it), over ``runs``."""
+        self = cls.__new__(cls)
+        self.nodes, self.runs, self.where = nodes, tuple(runs), ""
+        self.values = [nd.value for nd in nodes]
+        return self
+
     def __getitem__(self, i: int) -> Array:
         return self.values[i]
+
+    def carry_in(self, run: Run, k: int) -> tuple[Array, ...]:
+        """The carries block ``k`` of ``run`` read: the nodes before the run for block 0, else block ``k - 1``'s."""
+        if k == 0:
+            return tuple(self.values[p] for p in run.init)
+        base = run.start + (k - 1) * run.length
+        return tuple(self.values[base + r] for r in run.carries)
 
     def shared(self, run: Run) -> dict[int, Array]:
         """The values of the nodes before ``run`` that every block reads."""
@@ -294,11 +310,9 @@ class Forward:
 
         call = jax.jit(block)  # traced once, called per block: one function in the program, not one per block
         ext = tuple(shared[r] for r in names)
-        carry = tuple(self.values[p] for p in run.init)
-        ins = self.carry_in[b] = []
+        carry = self.carry_in(run, 0)
         given_of = sum(not p for p in run.pending)
         for _ in range(run.blocks):
-            ins.append(carry)
             out = call(carry, tuple(next(given) for _ in range(given_of)), ext)
             self.values.extend(out)
             carry = tuple(out[r] for r in carries)
@@ -339,6 +353,40 @@ def backward(
         if w not in result:
             result[w] = zeros_like_spec(nodes[w].spec)
     return result
+
+
+def computed_backward(tape: Tape, root: int, seed: ArrayLike | None, wrt: Sequence[NodeId]) -> dict[NodeId, Array]:
+    """:func:`tapeflow._core._backward.backward` of a recording whose every value is computed, inside a trace.
+
+    A traced session (``train_step``, ``value_and_grad``) computes each op as
+    it records it, so its forward is traced op by op; its reverse sweep is
+    traced block by block here, each run's block by one traced function, unless
+    :func:`set_block_loops` turned that off or the recording repeats no block.
+    The cotangents are :func:`~tapeflow._core._backward.backward`'s (XLA inlines
+    the calls: bit for bit).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from tapeflow import leaf, record
+    >>> def f(v):
+    ...     t, x = leaf(Tape.empty(), v, requires_grad=True)
+    ...     h = x
+    ...     for k in range(3):                     # 3 blocks of 8 ops
+    ...         for op in ["sin", "cos"] * 4:
+    ...             t, r = record(t, op, (h,))
+    ...             h = r.value
+    ...     t, y = record(t, "sum", (h,))
+    ...     return computed_backward(t, y.value, None, [x])[x]
+    >>> bool(jnp.allclose(jax.jit(f)(jnp.ones(2)), jax.grad(lambda v: jnp.sum(
+    ...     jax.lax.fori_loop(0, 12, lambda i, h: jnp.cos(jnp.sin(h)), v)))(jnp.ones(2))))
+    True
+    """
+    nodes = list(tape.nodes)
+    if not _enabled:
+        return tape_backward(tape, root, seed, wrt)
+    runs = find_runs(nodes, {i for i, nd in enumerate(nodes) if nd.op is not None})
+    if not runs:
+        return tape_backward(tape, root, seed, wrt)
+    return backward(tape, Forward.computed(nodes, runs), root, seed, wrt)
 
 
 def _reverse_loop(
@@ -397,11 +445,10 @@ def _reverse_loop(
     call = jax.jit(step)  # traced once, called per block
     ext = tuple(shared[r] for r in names)
     after = tuple(_zeros(block[r]) for r in carries)
-    ins = values.carry_in[b]
     for k in range(K - 1, -1, -1):
         base = b + k * L
         inc = tuple(_pop_or_zeros(cot, base + j, block[j]) for j in came)
-        after, parts, got = call(after, inc, tuple(values.values[base : base + L]), ins[k], ext)
+        after, parts, got = call(after, inc, tuple(values.values[base : base + L]), values.carry_in(run, k), ext)
         for r, g in zip(summed, parts):  # consumers after the run, then the later blocks, added first
             _add_into(cot, r, g)
         for j, g in zip(leaves, got):

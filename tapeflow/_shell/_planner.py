@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as tape_backward
+from .._core._blocks import computed_backward
 from .._core._nonfinite import Origin
 from .._core._result import TapeError
 from .._core._tape import Tape
@@ -179,6 +180,8 @@ class BackwardPlanner:
                 s.check_thread()
                 rec.install(t)
                 by_leaf = {i: s.handle(j) for i, j in by_id.items()}
+            elif mode == "traced" and not hooked:  # on tracers: a repeated block's sweep is traced once
+                by_leaf = computed_backward(old, root, seed, ids)
             else:
                 by_leaf = tape_backward(old, root, seed=seed, wrt=ids, hooks=array_hooks)
             check = self.nonfinite_check(old, root, seed)
