@@ -338,6 +338,17 @@ def _given_offsets(pending: tuple[NodeId, ...], slots: tuple[tuple[NodeId, ...] 
 
 _last_offsets: tuple[tuple[NodeId, ...], tuple[tuple[NodeId, ...] | None, ...], tuple[int, ...]] | None = None
 
+# the parts of the last step program run with every slot passed as its first leaf (LazyGrads.step): structure,
+# pending ids, the optimizer's slot leaves and step (by identity), loss flag, root, ids, the alias, the key
+_last_step: tuple[object, ...] | None = None
+
+
+def _cached_program(key: Hashable) -> Callable[..., tuple[object, Array]] | None:
+    """The program :func:`_program` finds for ``key`` without building one (None: not cached, or evicted)."""
+    if not _blocks.block_loops_enabled():
+        key = ("unrolled", key)
+    return cast("Callable[..., tuple[object, Array]] | None", _PROGRAMS.hit(key))
+
 
 def _replay(skel: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> _blocks.Forward:
     """Inside a trace: every node's value of ``skel``, the pending ones computed from ``given`` (the others').
@@ -572,6 +583,27 @@ class LazyGrads:
         value (``loss=``, for ``debug_nans``).
         """
         pending, given = self._values()
+        global _last_step
+        last = _last_step
+        if (
+            last is not None
+            and last[0] is self.struct
+            and last[1] is pending
+            and last[2] is slot_leaves
+            and last[3] is step_fn
+            and last[4] is with_loss
+            and last[5] == self.root
+            and last[6] == self.ids
+            and self.seed is None
+            and all(map(operator.is_, map(given.__getitem__, cast("tuple[int, ...]", last[7])), values))
+        ):
+            # the step of the last call again, every slot its first leaf's snapshot: the same alias and key
+            # (compared by identity: the parts are the outline's and the optimizer's, unchanged between steps)
+            fn = _cached_program(last[8])
+            if fn is not None:
+                got, root = fn(given, None, [], state, step_fn)
+                self._set_root(root)
+                return cast(S, got)
         slots = tuple(slot_leaves)
         # a slot whose current value is its first leaf's snapshot (the usual step) is passed once, as that leaf
         alias = tuple(-1 if k < 0 or given[k] is not v else k for k, v in zip(_given_offsets(pending, slots), values))
@@ -597,4 +629,6 @@ class LazyGrads:
         key = self._key("step", pending, slots, alias, step_fn, with_loss)
         out, root = _program(key, build, (4,))(given, self.seed, rest, state, step_fn)
         self._set_root(root)
+        if self.seed is None and -1 not in alias:
+            _last_step = (self.struct, pending, slot_leaves, step_fn, with_loss, self.root, self.ids, alias, key)
         return out

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from .._core import _registry as R
-from .._core._device import concrete_array_type, device_of
+from .._core._device import concrete_array_type
 from .._core._result import TapeError
 from .._core._tape import Node, append_node, leaf
 from .._core._typing import Array, ArrayLike, NodeId
@@ -78,14 +78,11 @@ class Leaves:
         """:meth:`Session.input <tapeflow.Session.input>`: ``x`` as a leaf (a handle's value is copied in)."""
         rec = self.rec
         if type(x) is concrete_array_type():  # a jax.Array: leaf() places it
-            dt = cast(Array, x).dtype
-            if dt.kind != "c":
-                if rec.lane is not None:
-                    dev = rec.now.device
-                    if dev is None or device_of(x) is dev:  # placed already: the leaf holds it as it is
-                        got = rec.lane_leaf(s, cast(Array, x), dt, requires_grad)
-                        if got is not None:
-                            return got
+            if rec.lane is not None:  # a replayed step: the outline's input leaf here, placed already
+                got = rec.lane_input(s, cast(Array, x), requires_grad)
+                if got is not None:
+                    return got
+            if cast(Array, x).dtype.kind != "c":
                 return self.value(s, cast(Array, x), requires_grad)
         if isinstance(x, Tensor):
             x = s.node(x).value

@@ -420,6 +420,9 @@ class Optimizer:
             self, self.tx, tuple(self._slot_specs), None if self._names is None else tuple(self._slot_keys)
         )
         self._fused_plan: _FusedPlan | None = None  # the last fused step's slot mapping (valid for its groups)
+        # the fused step's static argument, made once per rule and finite check (a lazy program's key and jit's
+        # static argument then match it by identity)
+        self._step_call: StepCall | None = None
         params = self.param_tree()
         if any(st.pinned is not None for st in self._slot_storages):
             # born where its storages live: a state that does not fit one device is never whole on one
@@ -872,7 +875,10 @@ class Optimizer:
             values = Storage.read_current_many(storages) if current else [st.read(device) for st in storages]
             if not current:
                 current = all(v is st.read_current() for v, st in zip(values, storages))
-            out = lazy.step(leaves, StepCall(self.rule, check_finite), values, self.state, with_loss=debug)
+            call = self._step_call
+            if call is None or call.rule is not self.rule or call.check_finite is not check_finite:
+                call = self._step_call = StepCall(self.rule, check_finite)
+            out = lazy.step(leaves, call, values, self.state, with_loss=debug)
         except BaseException:
             grads.consume(mine)  # as step: a failed update still lets go of the gradients it used
             raise
