@@ -68,6 +68,7 @@ __all__ = [
     "Ref",
     "lazy_default",
     "materialize",
+    "traced_gradients",
     "weak",
 ]
 
@@ -426,14 +427,20 @@ def _program(key: Hashable, build: Callable[[], F], static_argnums: tuple[int, .
     return fn
 
 
-def materialize(rec: LazyRecording, tape: Tape) -> None:
+def materialize(rec: LazyRecording, tape: Tape, inline: bool = False) -> None:
     """Compute every pending node of ``tape`` with one compiled forward program; store the values in the nodes.
 
     Nodes are shared by every tape value that contains them, so a value is
     computed once (:func:`~tapeflow._core._tape.fill_pending`) and then read like an eager one.
+    ``inline``: a traced session's recording, whose values are tracers of the caller's program: the forward is
+    traced into it, neither cached nor compiled on its own.
     """
     pending, given = _split(tape)
     if not pending:
+        return
+    if inline:
+        replayed = _replay(tape, frozenset(pending), given)
+        fill_pending(tape, pending, [replayed[i] for i in pending])
         return
     struct = rec.structure(tape)
 
@@ -449,6 +456,23 @@ def materialize(rec: LazyRecording, tape: Tape) -> None:
 
     outs = _program(("forward", struct, pending), build)(given)
     fill_pending(tape, pending, outs)
+
+
+def traced_gradients(tape: Tape, root: NodeId, seed: Array | None, ids: Sequence[NodeId]) -> dict[NodeId, Array]:
+    """A traced session's backward, inside the caller's trace: the pending forward and the reverse sweep.
+
+    ``train_step`` and ``value_and_grad`` record lazily as a lazy session does,
+    so their program is traced from the recording as a lazy session's gradient
+    program is, repeated blocks once each (:mod:`tapeflow._core._blocks`),
+    straight into the caller's program (nothing cached or compiled on its
+    own). A recording computed as it was made (``debug_nans``) is swept as it is.
+    """
+    pending, given = _split(tape)
+    if not pending:
+        return _blocks.computed_backward(tape, root, seed, ids)
+    by_leaf, value = _gradients(tape, frozenset(pending), given, seed, root, tuple(ids))
+    fill_pending(tape, (root,), (value,))  # the root's value: the caller returns it
+    return by_leaf
 
 
 def _gradients(

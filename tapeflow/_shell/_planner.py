@@ -43,7 +43,6 @@ import jax.numpy as jnp
 
 from .._core._backward import GraphHook, Hook, backward_graph, root_and_seed, run_hooks
 from .._core._backward import backward as tape_backward
-from .._core._blocks import computed_backward
 from .._core._nonfinite import Origin
 from .._core._result import TapeError
 from .._core._tape import Tape
@@ -51,7 +50,7 @@ from .._core._typing import Array, NodeId
 from ._debug import NonFiniteCheck
 from ._gradctl import GradControls
 from ._grads import Grads
-from ._lazy import BackwardPlan, LazyGrads, ParameterGroups, Structure
+from ._lazy import BackwardPlan, LazyGrads, ParameterGroups, Structure, traced_gradients
 from ._recorder import Recorder
 from ._state import StateLog
 from ._tensor import Tensor, check_handle
@@ -154,7 +153,8 @@ class BackwardPlanner:
         else:
             plan = None
             ids, groups = self.requested(s, old, root, wrt), ParameterGroups(s.parameter_groups())
-        if not lazy:
+        traced = mode == "traced" and not (create_graph or hooked or lz.exact)  # a sweep of its own, below
+        if not (lazy or traced):
             s.materialize()  # the sweep below reads every value
         by_leaf: dict[NodeId, Array] | dict[NodeId, Tensor] | LazyGrads
         try:
@@ -180,8 +180,8 @@ class BackwardPlanner:
                 s.check_thread()
                 rec.install(t)
                 by_leaf = {i: s.handle(j) for i, j in by_id.items()}
-            elif mode == "traced" and not hooked:  # on tracers: a repeated block's sweep is traced once
-                by_leaf = computed_backward(old, root, seed, ids)
+            elif traced:  # on tracers, into the caller's program; a repeated block traced once
+                by_leaf = traced_gradients(old, root, seed, ids)
             else:
                 by_leaf = tape_backward(old, root, seed=seed, wrt=ids, hooks=array_hooks)
             check = self.nonfinite_check(old, root, seed)

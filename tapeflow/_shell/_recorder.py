@@ -128,7 +128,9 @@ class Conditions:
 
     * ``tracked``: gradients are recorded (``grad_enabled`` and no ``no_grad`` block); ``grad_on``: no
       ``no_grad`` block;
-    * ``lazy``: ops are recorded without running (a lazy session, outside a block that records eagerly);
+    * ``defers``: the recording may hold ops not run yet (a lazy session; a traced one, unless ``debug_nans``
+      notes each op's index check as it records); ``lazy``: ops are recorded without running (``defers``,
+      outside a block that records eagerly);
     * ``direct``: every Param use reads its storage (no ``ParamSource``);
     * ``replay``: the outline's call may be replayed (recorded directly, no mixed precision, not eagerly);
       ``checks_indices``: ``debug_nans`` is on, so an op whose index check reads device values is not;
@@ -145,7 +147,7 @@ class Conditions:
     (False, True, True)
     """
 
-    __slots__ = ("checks_indices", "direct", "grad_on", "lane", "lazy", "notes", "replay", "tracked")
+    __slots__ = ("checks_indices", "defers", "direct", "grad_on", "lane", "lazy", "notes", "replay", "tracked")
 
     def __init__(
         self,
@@ -160,7 +162,8 @@ class Conditions:
     ) -> None:
         self.grad_on = not grad_depth
         self.tracked = grad_enabled and not grad_depth
-        self.lazy = mode == "lazy" and not eagerly
+        self.defers = mode == "lazy" or (mode == "traced" and not debug_nans)
+        self.lazy = self.defers and not eagerly
         self.direct = direct
         self.replay = not eagerly and precision is None and direct
         self.checks_indices = debug_nans
@@ -300,7 +303,7 @@ class Recorder:
 
     def install(self, t: Tape) -> None:
         """Make ``t`` the current tape (the one place it changes between restarts; the caller checked the thread)."""
-        if self.mode == "lazy":
+        if self.conditions.defers:
             lz = self.lazy
             n = len(t)
             if n < len(lz.keys):
@@ -327,7 +330,7 @@ class Recorder:
         nd = t[i]
         v = nd.value
         if v is PENDING:
-            materialize(self.lazy, t)  # only a lazy session has pending nodes
+            materialize(self.lazy, t, self.mode == "traced")  # only a lazy session has pending nodes
         elif type(v) is np.ndarray:
             read_host_inputs(t, (i,))
         return nd
@@ -345,7 +348,7 @@ class Recorder:
     def materialize(self) -> None:
         """Compute every value of a lazy recording that is not computed yet (one compiled program)."""
         t = self.tape
-        materialize(self.lazy, t)
+        materialize(self.lazy, t, self.mode == "traced")
         read_host_inputs(t, [i for i, nd in enumerate(t.nodes) if type(nd.value) is np.ndarray])
 
     # -- leaves -----------------------------------------------------------------------------------------------

@@ -312,7 +312,7 @@ class Session:
         >>> y.value.tolist(), z.value.tolist()
         ([2.0, 2.0], [3.0, 3.0])
         """
-        if self._mode == "lazy":
+        if self._mode != "eager":  # a traced session records lazily too (see Conditions.defers)
             self.check_thread()
             self._recorder.materialize()
 
