@@ -358,10 +358,11 @@ def backward(
 def computed_backward(tape: Tape, root: int, seed: ArrayLike | None, wrt: Sequence[NodeId]) -> dict[NodeId, Array]:
     """:func:`tapeflow._core._backward.backward` of a recording whose every value is computed, inside a trace.
 
-    A traced session (``train_step``, ``value_and_grad``) computes each op as
-    it records it, so its forward is traced op by op; its reverse sweep is
-    traced block by block here, each run's block by one traced function, unless
-    :func:`set_block_loops` turned that off or the recording repeats no block.
+    A traced session under ``debug_nans`` (``train_step``, ``value_and_grad``)
+    computes each op as it records it, so its forward is traced op by op; its
+    reverse sweep is traced block by block here, each run's block by one traced
+    function, unless :func:`set_block_loops` turned that off or the recording
+    repeats no block.
     The cotangents are :func:`~tapeflow._core._backward.backward`'s (XLA inlines
     the calls: bit for bit).
 

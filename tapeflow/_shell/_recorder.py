@@ -330,7 +330,7 @@ class Recorder:
         nd = t[i]
         v = nd.value
         if v is PENDING:
-            materialize(self.lazy, t, self.mode == "traced")  # only a lazy session has pending nodes
+            materialize(self.lazy, t, self.mode == "traced")  # only a lazy or traced session has pending nodes
         elif type(v) is np.ndarray:
             read_host_inputs(t, (i,))
         return nd
