@@ -146,29 +146,23 @@ def _frozen_heap():
         gc.unfreeze()
 
 
-# The long test files (most of few tests), their rough time in seconds on CI (two cores, two workers). Under
-# `pytest -n 2 --dist loadfile` they are handed out first, longest first (pytest_xdist_make_scheduler
-# below); the other files follow in xdist's own order. Only the order changes, never what runs.
-LONG_FILES = {
-    "test_torch_conformance.py": 200,  # PyTorch's OpInfo/ModuleInfo samples: every new shape compiles kernels
-    "test_examples.py": 150,  # the example scripts and the notebook, several in fresh interpreters
-    "test_docs.py": 105,  # the doc pages' code, the docstring examples, a strict mkdocs build
-    "test_fuzz_session.py": 80,  # one test: the stateful fuzzer (two to three times slower late in a run)
-    "test_lint.py": 70,  # three tests: ruff, and mypy from a cold cache
-    "test_remat.py": 40,  # its many gc.collect() calls (small_gc_heap_for_module)
-    "test_docs_layout.py": 50,  # every page in a browser (the mkdocs build is shared with test_docs.py)
-}
+def _file_cost(scope: str) -> float:
+    """A file's rough seconds in a full run (``tests/_file_costs.py``); a file not listed there counts as the longest."""
+    from _file_costs import COSTS
+
+    return COSTS.get(Path(scope).name, float("inf"))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadfile`` that hands out the files of ``LONG_FILES`` first, the longest first.
+    """``--dist loadfile`` that hands out the longest file left first (the times of ``tests/_file_costs.py``).
 
-    xdist hands out the files with the most tests first, so the long files of few tests (the
-    fuzzer's one test, the linters' three, one mkdocs build) came last: one worker ran them
-    while the other had nothing left to do. Started first instead, they overlap the many short
-    files, which then fill the end of the run on both workers. Other ``--dist`` modes, and an
-    xdist whose scheduler has no work queue to reorder, keep xdist's own scheduling.
+    xdist hands out the files with the most tests first, so long files of few tests (the fuzzer's
+    one test, the multi-device subprocesses of test_shard.py) could start last: one worker ran them
+    while the other had nothing left to do. Longest first, the files that start last are the
+    shortest, and both workers finish at about the same time. A file the table does not list yet
+    goes first: it cannot then be a long file that starts last. Other ``--dist`` modes, and an xdist
+    whose scheduler has no work queue to reorder, keep xdist's own scheduling.
     """
     if config.getoption("dist", None) != "loadfile":
         return None
@@ -177,16 +171,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     if not hasattr(LoadFileScheduling, "_assign_work_unit"):
         return None
 
-    class LongFilesFirst(LoadFileScheduling):
+    class LongestFirst(LoadFileScheduling):
         def _assign_work_unit(self, node: object) -> None:
             queue = getattr(self, "workqueue", None)
             if queue and hasattr(queue, "move_to_end"):
-                long = [scope for scope in queue if Path(scope).name in LONG_FILES]
-                if long:
-                    queue.move_to_end(max(long, key=lambda scope: LONG_FILES[Path(scope).name]), last=False)
+                queue.move_to_end(max(queue, key=_file_cost), last=False)
             super()._assign_work_unit(node)
 
-    return LongFilesFirst(config, log)
+    return LongestFirst(config, log)
 
 
 @pytest.fixture
