@@ -64,7 +64,8 @@ Mode = Literal["eager", "lazy", "traced"]
 """How a session records: ``"eager"`` runs each op at once; ``"lazy"`` records now and computes when a value
 is read (``Session(lazy=True)``); ``"traced"`` is the session :func:`~tapeflow.value_and_grad` and
 :func:`~tapeflow.train_step` trace, whose Param uses record the step's parameter values and whose state
-writes are only recorded."""
+writes are only recorded; it records lazily too (op by op under ``debug_nans``), and its forward and
+backward are traced from the recording into the caller's program."""
 
 _owner_counter = itertools.count(1)
 _owner_lock = threading.Lock()
