@@ -344,11 +344,14 @@ _last_offsets: tuple[tuple[NodeId, ...], tuple[tuple[NodeId, ...] | None, ...], 
 _last_step: tuple[object, ...] | None = None
 
 
+def _program_key(key: Hashable) -> Hashable:
+    """Where the program for ``key`` is cached: a program traced with block loops off is another program."""
+    return key if _blocks.block_loops_enabled() else ("unrolled", key)
+
+
 def _cached_program(key: Hashable) -> Callable[..., tuple[object, Array]] | None:
     """The program :func:`_program` finds for ``key`` without building one (None: not cached, or evicted)."""
-    if not _blocks.block_loops_enabled():
-        key = ("unrolled", key)
-    return cast("Callable[..., tuple[object, Array]] | None", _PROGRAMS.hit(key))
+    return cast("Callable[..., tuple[object, Array]] | None", _PROGRAMS.hit(_program_key(key)))
 
 
 def _replay(skel: Tape, pending: frozenset[NodeId], given: Sequence[Array]) -> _blocks.Forward:
@@ -418,8 +421,7 @@ class ProgramKey:
 
 
 def _program(key: Hashable, build: Callable[[], F], static_argnums: tuple[int, ...] = ()) -> F:
-    if not _blocks.block_loops_enabled():
-        key = ("unrolled", key)  # a program traced with block loops off is another program
+    key = _program_key(key)
     fn = _PROGRAMS.hit(key)
     if fn is None:
         fn = cast(F, maybe_tiered(build(), static_argnums))  # tiered compilation, when it is on
