@@ -382,9 +382,7 @@ def computed_backward(tape: Tape, root: int, seed: ArrayLike | None, wrt: Sequen
     True
     """
     nodes = list(tape.nodes)
-    if not _enabled:
-        return tape_backward(tape, root, seed, wrt)
-    runs = find_runs(nodes, {i for i, nd in enumerate(nodes) if nd.op is not None})
+    runs = find_runs(nodes, {i for i, nd in enumerate(nodes) if nd.op is not None}) if _enabled else ()
     if not runs:
         return tape_backward(tape, root, seed, wrt)
     return backward(tape, Forward.computed(nodes, runs), root, seed, wrt)
