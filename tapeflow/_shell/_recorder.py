@@ -376,30 +376,13 @@ class Recorder:
         return Tensor(s, self.owner, self.generation, n, spec[0], dt)
 
     def lane_input(self, s: Session, x: Array, requires_grad: bool) -> Tensor | None:
-        """A ``jax.Array`` input on the lane (:meth:`lane_leaf`), when the outline's leaf here has its spec and
-        ``x`` lives on the recording's device (the leaf holds it as it is); None: the normal input path.
-
-        The same tests as ``Leaves.input`` then :meth:`lane_leaf`, in one call: the spec first (a complex
-        array never matches, the outline holding no complex leaf), the device last (the array's placement is
-        the dearest read)."""
-        lane = cast(Lane, self.lane)
-        ol, n = lane.outline, lane.pos
-        keys = ol.keys
-        if n >= len(keys) or n in ol.events or n in ol.registered:
-            return None
-        key = keys[n]
-        dt = x.dtype
-        rg = bool(requires_grad) and self.conditions.tracked and R.is_float(dt)
-        if key != (None, (), (), rg, (x.shape, dt)):
-            return None
+        """A ``jax.Array`` input on the lane (:meth:`lane_leaf`) when ``x`` lives on the recording's device (the
+        leaf holds it as it is); None: the normal input path. A complex array never matches, the outline holding
+        no complex leaf."""
         dev = self.now.device
         if dev is not None and device_of(x) is not dev:
             return None
-        s.check_thread()
-        lane.vals.append(x)
-        lane.pos = n + 1
-        note_recorded(self.ref)
-        return Tensor(s, self.owner, self.generation, n, x.shape, dt)
+        return self.lane_leaf(s, x, x.dtype, requires_grad)
 
     def param_value(self, p: Param) -> Array:
         """The value a use of ``p`` records: the session's source's, a view's own, or its storage's here."""
